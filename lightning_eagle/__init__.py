@@ -1,0 +1,37 @@
+"""lightning_eagle: train EAGLE-3 speculative-decoding drafts for a frozen Kimi K3 target with PyTorch Lightning.
+
+Data flow: ``data`` (chats → tokens + loss masks + vocab map) → ``target`` (frozen K3, aux hidden states, teacher
+hidden) → ``draft`` (NoPE-MLA gated EAGLE-3 layer) → ``training`` (TTT loss, metrics, LightningModule) →
+``parallel`` (expert-parallel strategy, layout gates) → ``cli``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+# Lazy exports keep `import lightning_eagle` cheap (Lightning and transformers cost seconds to import).
+_EXPORTS = {
+    "KimiK3Config": "lightning_eagle.target.config",
+    "KimiK3TextConfig": "lightning_eagle.target.config",
+    "KimiK3ForCausalLM": "lightning_eagle.target.model",
+    "config_from_name": "lightning_eagle.target.presets",
+    "KimiK3Eagle3Draft": "lightning_eagle.draft",
+    "export_draft": "lightning_eagle.draft",
+    "Eagle3Module": "lightning_eagle.training.module",
+    "ExpertParallelStrategy": "lightning_eagle.parallel.strategy",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_eagle.target.config import KimiK3Config, KimiK3TextConfig  # noqa: F401
+    from lightning_eagle.target.model import KimiK3ForCausalLM  # noqa: F401
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'lightning_eagle' has no attribute {name!r}")

@@ -1,0 +1,103 @@
+"""EAGLE-3 hidden-state capture from the K3 target.
+
+Ids are 0-based decoder-layer outputs. Under AttnRes a layer's output is its raw in-block prefix (``"prefix"``
+stream, the default — what the reference hook and the public K3 drafts use); ``"mixed"`` taps what the next layer's
+attention reads. Id ``num_hidden_layers`` means the input of the final norm (after the output mixer), never layer
+L−1's output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AUX_STREAMS = ("prefix", "mixed")
+
+
+@dataclass
+class CaptureOutput:
+    aux_hidden_states: torch.Tensor  # [B,T,len(ids)·H], taps concatenated in the given order
+    final_hidden: torch.Tensor  # [B,T,H], output of the final norm
+    logits: torch.Tensor | None = None
+
+
+def validate_aux_layer_ids(aux_layer_ids, num_hidden_layers: int, count: int | None = 3) -> list[int]:
+    """Exactly ``count`` distinct ids in ``[0, L]``; order is kept (it is ``fc``'s input order)."""
+    L = num_hidden_layers
+    ids = list(aux_layer_ids)
+    problems = []
+    if count is not None and len(ids) != count:
+        problems.append(f"expected {count} ids, got {len(ids)}")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        problems.append("ids must be ints")
+    elif any(not 0 <= i <= L for i in ids):
+        problems.append(f"ids must be in [0, {L}] (num_hidden_layers={L}; {L} = input of the final norm)")
+    if len(set(ids)) != len(ids):
+        problems.append("ids must be distinct")
+    if problems:
+        raise ValueError(f"invalid EAGLE-3 aux_layer_ids {ids} for a {L}-layer target: " + "; ".join(problems))
+    return ids
+
+
+def resolve_aux_layer_ids(aux_layer_ids, num_hidden_layers: int) -> list[int]:
+    """Explicit ids are validated; None means the default ``[1, L//2 − 1, L − 4]``, which collides or goes out of
+    range on very shallow targets — then the user must pass ids."""
+    if aux_layer_ids is not None:
+        return validate_aux_layer_ids(aux_layer_ids, num_hidden_layers)
+    L = num_hidden_layers
+    default = [1, L // 2 - 1, L - 4]
+    try:
+        return validate_aux_layer_ids(default, L)
+    except ValueError as err:
+        raise ValueError(
+            f"the default EAGLE-3 aux_layer_ids [1, L//2-1, L-4] = {default} are invalid for a {L}-layer target "
+            f"({err}); pass aux_layer_ids explicitly (e.g. [1, {max(L // 2, 2)}, {L - 1}] for k3-tiny: [1, 3, 5])"
+        ) from None
+
+
+@torch.no_grad()
+def capture_hidden_states(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    aux_layer_ids: list[int] | None,
+    aux_stream: str = "prefix",
+    return_logits: bool = False,
+) -> CaptureOutput:
+    if aux_stream not in AUX_STREAMS:
+        raise ValueError(f"aux_stream must be one of {AUX_STREAMS}, got {aux_stream!r}")
+    layers = model.model.layers
+    L = len(layers)
+    ids = resolve_aux_layer_ids(aux_layer_ids, L)
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+
+    def keep_output(idx):
+        def hook(_module, _args, output):
+            captured[idx] = output[0]
+
+        return hook
+
+    def keep_input(idx):
+        def hook(_module, args):
+            captured[idx] = args[0]
+
+        return hook
+
+    try:
+        for i in ids:
+            if i == L:
+                handles.append(model.model.norm.register_forward_pre_hook(keep_input(i)))
+            elif aux_stream == "mixed" and i + 1 < L:
+                handles.append(layers[i + 1].input_layernorm.register_forward_pre_hook(keep_input(i)))
+            elif aux_stream == "mixed":  # i == L-1: the output mixer's result is the final norm's input
+                handles.append(model.model.norm.register_forward_pre_hook(keep_input(i)))
+            else:
+                handles.append(layers[i].register_forward_hook(keep_output(i)))
+        out = model(input_ids, attention_mask, return_logits=return_logits)
+    finally:
+        for h in handles:
+            h.remove()
+    aux = torch.cat([captured[i] for i in ids], dim=-1)
+    return CaptureOutput(aux_hidden_states=aux, final_hidden=out.hidden_states, logits=out.logits)

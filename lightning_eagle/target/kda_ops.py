@@ -1,0 +1,137 @@
+"""The KDA (Kimi Delta Attention) recurrence: a readable per-token twin and a chunked plain-torch form.
+
+Shapes follow flash-linear-attention: ``q, k [B,T,H,K]``, ``v [B,T,H,V]``, log-decay ``g [B,T,H,K]`` (≤ 0),
+``beta [B,T,H]``. Per (row, head) with fp32 state ``S ∈ R^{K×V}``, ``S_0 = 0``::
+
+    S̃_t = Diag(exp(g_t)) S_{t-1}
+    S_t = S̃_t + β_t k_t (v_t − S̃_tᵀ k_t)ᵀ
+    o_t = S_tᵀ (q_t · scale)
+
+Both functions compute in fp32 and return fp32 ``[B,T,H,V]``. Callers normalise q/k (L2) beforehand.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def naive_recurrent_kda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One step per token. The reference for every other KDA path (slow: T sequential steps)."""
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    S = q.new_zeros(B, H, K, v.shape[-1])
+    out = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]
+        k_t = k[:, t]
+        predicted = torch.einsum("bhkv,bhk->bhv", S, k_t)
+        S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k_t, v[:, t] - predicted)
+        out.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t] * scale))
+    return torch.stack(out, dim=1)
+
+
+def safe_chunk_size(gate_lower_bound: float, max_chunk: int = 64) -> int:
+    """Largest power-of-two chunk whose worst in-chunk decay ``exp(-|lb|·C)`` stays representable in fp32.
+
+    The chunked form factorises ``exp(G_s − G_r)`` as ``exp(G_s)·exp(−G_r)``; with G ≥ lb·C per chunk both factors
+    must stay inside fp32's normal range (|exponent| ≤ 80 keeps a margin below 88).
+    """
+    chunk = max_chunk
+    while chunk > 1 and chunk * abs(gate_lower_bound) > 80:
+        chunk //= 2
+    return chunk
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    chunk_size: int = 16,
+) -> torch.Tensor:
+    """Chunked (WY) form of :func:`naive_recurrent_kda`; identical maths, ``T / chunk_size`` sequential steps.
+
+    Inside a chunk with in-chunk cumulative log-decay ``G_t`` (so ``Γ_t = exp(G_t)``), the delta-rule pseudo values
+    ``U`` solve the unit lower-triangular system ``(I + diag(β)·StrictLower(K̃ K̂ᵀ)) U = diag(β)(V − K̃ S_0)`` with
+    ``K̃ = K⊙Γ`` and ``K̂ = K⊙Γ⁻¹``; then ``O = Q̃ S_0 + LowerIncl(Q̃ K̂ᵀ) U`` and
+    ``S_C = Γ_C ⊙ S_0 + (K⊙Γ_C/Γ)ᵀ U``. Everything independent of ``S_0`` is computed for all chunks at once.
+    ``chunk_size`` must satisfy ``chunk_size·max|g| ≤ ~80`` (see :func:`safe_chunk_size`).
+    """
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    pad = (-T) % C
+    if pad:
+        # Zero k/v/β and zero decay in the tail keep the state unchanged there; the tail outputs are dropped.
+        q, k, v, g = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
+        beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
+    N = (T + pad) // C
+    # [B,H,N,C,·]
+    q, k, v, g = (t.reshape(B, N, C, H, -1).permute(0, 3, 1, 2, 4) for t in (q, k, v, g))
+    beta = beta.reshape(B, N, C, H).permute(0, 3, 1, 2)
+    G = g.cumsum(dim=-2)
+    decay = G.exp()
+    k_dec = k * decay  # K̃
+    k_inv = k * (-G).exp()  # K̂
+    q_dec = q * scale * decay  # Q̃
+    strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
+    incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    A = (k_dec @ k_inv.transpose(-1, -2)).masked_fill(~strict, 0.0)
+    M = torch.eye(C, device=q.device) + beta[..., None] * A
+    rhs = torch.cat([beta[..., None] * v, beta[..., None] * k_dec], dim=-1)
+    W = torch.linalg.solve_triangular(M, rhs, upper=False, unitriangular=True)
+    W_v, W_k = W[..., :V], W[..., V:]
+    P = (q_dec @ k_inv.transpose(-1, -2)).masked_fill(~incl, 0.0)
+    chunk_decay = decay[..., -1, :]  # Γ_C  [B,H,N,K]
+    k_to_end = k * (G[..., -1:, :] - G).exp()  # K⊙Γ_C/Γ
+    S = q.new_zeros(B, H, K, V)
+    outs = []
+    for n in range(N):
+        U = W_v[:, :, n] - W_k[:, :, n] @ S
+        outs.append(q_dec[:, :, n] @ S + P[:, :, n] @ U)
+        S = chunk_decay[:, :, n, :, None] * S + k_to_end[:, :, n].transpose(-1, -2) @ U
+    o = torch.stack(outs, dim=2)  # [B,H,N,C,V]
+    return o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
+
+
+def fla_kda_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import fla.ops.kda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fla_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    kernel: str = "fused_recurrent",
+) -> torch.Tensor:
+    """flash-linear-attention's Triton KDA (CUDA only). q/k are already L2-normalised by the caller.
+
+    ``fused_recurrent`` is the default because it is the kernel the golden reference was checked with; fla 0.6.0's
+    ``chunk`` kernel disagreed with the golden on a full tiny model (spec §10) and is opt-in until a GPU check passes.
+    """
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+    from fla.ops.kda import fused_recurrent_kda
+
+    fn = fused_recurrent_kda if kernel == "fused_recurrent" else fla_chunk_kda
+    o, _ = fn(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=None, output_final_state=False)
+    return o.float()
+
+
+def kda_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

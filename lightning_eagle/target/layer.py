@@ -1,0 +1,87 @@
+"""One K3 decoder layer (KDA or MLA token mixer; dense or MoE channel mixer) on the AttnRes residual stream."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_eagle.ops.mla import NoPEMLA
+from lightning_eagle.ops.norm import K3RMSNorm
+from lightning_eagle.ops.situ import SituMLP
+from lightning_eagle.target.attn_res import attn_res_mix, res_weights
+from lightning_eagle.target.config import KimiK3TextConfig
+from lightning_eagle.target.kda import KimiDeltaAttention
+from lightning_eagle.target.moe import K3SparseMoE
+
+MLA_LATENT_NORM_EPS = 1e-6  # the reference builds q_a/kv_a layernorms without an eps argument
+
+
+def build_mla(config: KimiK3TextConfig) -> NoPEMLA:
+    return NoPEMLA(
+        input_size=config.hidden_size,
+        output_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        q_lora_rank=config.q_lora_rank,
+        kv_lora_rank=config.kv_lora_rank,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim,
+        latent_norm_eps=MLA_LATENT_NORM_EPS,
+        use_output_gate=config.mla_use_output_gate,
+    )
+
+
+class K3DecoderLayer(nn.Module):
+    """Returns ``(p, bank)`` where ``p`` is the raw in-block prefix (sum of sub-layer outputs since the last
+    commit) — that is what EAGLE-3 hooks on ``layers[i]`` capture."""
+
+    def __init__(
+        self,
+        config: KimiK3TextConfig,
+        layer_idx: int,
+        expert_range: tuple[int, int] | None = None,
+        kda_backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.is_kda = config.is_kda(layer_idx)
+        self.block_size = config.attn_res_block_size
+        self.input_layernorm = K3RMSNorm(H, eps=eps)
+        self.post_attention_layernorm = K3RMSNorm(H, eps=eps)
+        self.self_attn = KimiDeltaAttention(config, backend=kda_backend) if self.is_kda else build_mla(config)
+        betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
+        if config.is_moe(layer_idx):
+            self.block_sparse_moe = K3SparseMoE(config, expert_range)
+        else:
+            self.mlp = SituMLP(H, config.intermediate_size, *betas)
+        if self.block_size is not None:
+            self.self_attention_res_norm, self.self_attention_res_proj = res_weights(H, eps)
+            self.mlp_res_norm, self.mlp_res_proj = res_weights(H, eps)
+
+    @property
+    def channel_mixer(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
+    def token_mixer(self, x: torch.Tensor, attn_mask: torch.Tensor | None, token_mask: torch.Tensor | None):
+        return self.self_attn(x, token_mask) if self.is_kda else self.self_attn(x, attn_mask)
+
+    def forward(
+        self,
+        p: torch.Tensor,
+        bank: list[torch.Tensor],
+        attn_mask: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self.block_size is None:  # plain pre-norm residual stream
+            h = p + self.token_mixer(self.input_layernorm(p), attn_mask, token_mask)
+            return h + self.channel_mixer(self.post_attention_layernorm(h)), bank
+        a_in = p if not bank else attn_res_mix(p, bank, self.self_attention_res_norm, self.self_attention_res_proj)
+        commit = self.layer_idx % self.block_size == 0
+        if commit:
+            bank = [*bank, p]
+        att = self.token_mixer(self.input_layernorm(a_in), attn_mask, token_mask)
+        p = att if commit else p + att
+        m_in = attn_res_mix(p, bank, self.mlp_res_norm, self.mlp_res_proj)
+        p = p + self.channel_mixer(self.post_attention_layernorm(m_in))
+        return p, bank

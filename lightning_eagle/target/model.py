@@ -1,0 +1,188 @@
+"""``KimiK3ForCausalLM``: the frozen K3 text model (text-only path of the released VLM checkpoint)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lightning_eagle.ops.mla import causal_additive_mask
+from lightning_eagle.ops.norm import K3RMSNorm
+from lightning_eagle.target.attn_res import attn_res_mix, res_weights
+from lightning_eagle.target.config import KimiK3TextConfig
+from lightning_eagle.target.layer import K3DecoderLayer
+
+# Parameters that stay fp32 whatever the model dtype (precision rules of the spec; never cast by `cast_to`).
+FP32_PARAMETER_SUFFIXES = (
+    "A_log",
+    "dt_bias",
+    "e_score_correction_bias",
+    "q_conv1d.weight",
+    "k_conv1d.weight",
+    "v_conv1d.weight",
+    "o_norm.weight",
+)
+
+
+def is_fp32_parameter(name: str) -> bool:
+    return name.endswith(FP32_PARAMETER_SUFFIXES)
+
+
+@dataclass
+class K3Output:
+    logits: torch.Tensor | None
+    hidden_states: torch.Tensor  # post-norm final hidden [B,T,H]
+
+
+def attention_mask_for_mla(
+    attention_mask: torch.Tensor | None, T: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """Additive ``[B,1,T,T]``: causal ∧ same document ∧ key not padding (indexed packing masks give documents)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.max() <= 1:
+        return causal_additive_mask(attention_mask, T, dtype, device)
+    docs = attention_mask.to(device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    allowed = causal & (docs[:, None, :, None] == docs[:, None, None, :]) & (docs[:, None, None, :] != 0)
+    key0 = (torch.arange(T, device=device) == 0).expand(T, T)
+    allowed = torch.where((docs != 0)[:, None, :, None], allowed, key0)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+class KimiK3TextModel(nn.Module):
+    def __init__(
+        self, config: KimiK3TextConfig, expert_range: tuple[int, int] | None = None, kda_backend: str = "auto"
+    ) -> None:
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, H)
+        self.layers = nn.ModuleList(
+            K3DecoderLayer(config, i, expert_range, kda_backend) for i in range(config.num_hidden_layers)
+        )
+        self.norm = K3RMSNorm(H, eps=config.rms_norm_eps)
+        if config.attn_res_block_size is not None:
+            self.output_attn_res_norm, self.output_attn_res_proj = res_weights(H, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns the post-norm final hidden ``[B,T,H]`` (the output mixer runs before ``norm``)."""
+        T = input_ids.shape[1]
+        if attention_mask is not None and bool((attention_mask == 1).all()):
+            attention_mask = None  # all-ones: the unmasked fast path is exact
+        h = self.embed_tokens(input_ids)
+        attn_mask = attention_mask_for_mla(attention_mask, T, h.dtype, h.device)
+        bank: list[torch.Tensor] = []
+        for layer in self.layers:
+            h, bank = layer(h, bank, attn_mask, attention_mask)
+        if self.config.attn_res_block_size is not None:
+            h = attn_res_mix(h, bank, self.output_attn_res_norm, self.output_attn_res_proj)  # the output mixer
+        return self.norm(h)
+
+
+class KimiK3ForCausalLM(nn.Module):
+    """The frozen K3 target. ``forward`` → logits; :meth:`capture` → EAGLE-3 aux states + final hidden.
+
+    Build with :meth:`from_pretrained` (released checkpoint layout) or ``KimiK3ForCausalLM(config)`` + random
+    :meth:`init_weights` (tests). ``expert_range=(start, n)`` holds only that contiguous slice of routed experts.
+    """
+
+    def __init__(
+        self, config: KimiK3TextConfig, expert_range: tuple[int, int] | None = None, kda_backend: str = "auto"
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.expert_range = expert_range
+        self.model = KimiK3TextModel(config, expert_range, kda_backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    # ---- construction ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        expert_range: tuple[int, int] | None = None,
+        kda_backend: str = "auto",
+    ) -> KimiK3ForCausalLM:
+        """Load a released-layout checkpoint directory (outer VLM or bare text ``config.json``; single or sharded
+        safetensors; MXFP4 or plain experts). Returns the model frozen and in eval mode."""
+        from lightning_eagle.target.loader import load_k3_checkpoint
+
+        return load_k3_checkpoint(cls, path, dtype=dtype, device=device, expert_range=expert_range,
+                                  kda_backend=kda_backend)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float | None = None) -> KimiK3ForCausalLM:
+        """Random weights for tests and synthetic targets (every structure active: non-zero router bias and
+        AttnRes queries, decays spread over the allowed range)."""
+        gen = torch.Generator().manual_seed(seed)
+        std = std if std is not None else getattr(self.config, "initializer_range", 0.02)
+
+        def normal(p: torch.Tensor, scale: float) -> None:
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+        for name, p in self.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1, 16, generator=gen).log())
+            elif name.endswith("dt_bias") or name.endswith("e_score_correction_bias"):
+                normal(p, 0.1)
+            elif "conv1d" in name:
+                normal(p, 1 / math.sqrt(p.shape[-1]))
+            elif name.endswith("_res_proj.weight"):
+                normal(p, 1.0 / math.sqrt(p.shape[-1]))
+            elif p.dim() == 1:  # norm weights
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3:
+                normal(p, 1 / math.sqrt(p.shape[1]))
+            else:
+                normal(p, std)
+        return self
+
+    def cast_to(self, dtype: torch.dtype) -> KimiK3ForCausalLM:
+        """Cast to the model dtype, keeping the spec's fp32 parameters fp32 (a whole-module ``.to(bf16)`` would
+        destroy them)."""
+        for name, p in self.named_parameters():
+            if p.is_floating_point() and not is_fp32_parameter(name):
+                p.data = p.data.to(dtype)
+        return self
+
+    def freeze(self) -> KimiK3ForCausalLM:
+        self.requires_grad_(False)
+        return self.eval()
+
+    # ---- forward --------------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int | slice | None = None,
+        return_logits: bool = True,
+    ) -> K3Output:
+        hidden = self.model(input_ids, attention_mask)
+        if not return_logits:
+            return K3Output(logits=None, hidden_states=hidden)
+        h = hidden
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            h = hidden[:, -logits_to_keep:]
+        elif isinstance(logits_to_keep, slice):
+            h = hidden[:, logits_to_keep]
+        return K3Output(logits=self.lm_head(h), hidden_states=hidden)
+
+    def capture(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        aux_layer_ids: list[int] | None = None,
+        aux_stream: str = "prefix",
+        return_logits: bool = False,
+    ):
+        """One no-grad forward that returns ``aux_hidden_states [B,T,3H]`` (taps concatenated in the given order),
+        ``final_hidden [B,T,H]`` (post-norm) and, if asked, ``logits``. See :mod:`lightning_eagle.target.capture`."""
+        from lightning_eagle.target.capture import capture_hidden_states
+
+        return capture_hidden_states(self, input_ids, attention_mask, aux_layer_ids, aux_stream, return_logits)
