@@ -1,0 +1,25 @@
+"""Shared fixtures: the golden reference folder (a sibling of the repo: ``../shared/golden``) and tiny K3 models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GOLDEN_DIR = REPO_ROOT.parent / "shared" / "golden"
+
+
+@pytest.fixture(autouse=True)
+def _restore_default_dtype():
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(dtype)
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    if not GOLDEN_DIR.is_dir():
+        pytest.skip(f"golden references not found at {GOLDEN_DIR} (they ship beside the repo as ../shared/golden)")
+    return GOLDEN_DIR
