@@ -84,9 +84,8 @@ def chunk_kda(
     strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
     incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     A = (k_dec @ k_inv.transpose(-1, -2)).masked_fill(~strict, 0.0)
-    M = torch.eye(C, device=q.device) + beta[..., None] * A
     rhs = torch.cat([beta[..., None] * v, beta[..., None] * k_dec], dim=-1)
-    W = torch.linalg.solve_triangular(M, rhs, upper=False, unitriangular=True)
+    W = unit_lower_solve(beta[..., None] * A, rhs)
     W_v, W_k = W[..., :V], W[..., V:]
     P = (q_dec @ k_inv.transpose(-1, -2)).masked_fill(~incl, 0.0)
     chunk_decay = decay[..., -1, :]  # Γ_C  [B,H,N,K]
@@ -99,6 +98,19 @@ def chunk_kda(
         S = chunk_decay[:, :, n, :, None] * S + k_to_end[:, :, n].transpose(-1, -2) @ U
     o = torch.stack(outs, dim=2)  # [B,H,N,C,V]
     return o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
+
+
+def unit_lower_solve(L: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """Solve ``(I + L) X = rhs`` for strictly lower-triangular ``L [..., C, C]`` by forward substitution.
+
+    A row loop over the (small) chunk instead of ``torch.linalg.solve_triangular``: batched LAPACK calls on
+    thousands of 16×16 systems are orders of magnitude slower on CPU.
+    """
+    rows = [rhs[..., 0, :]]
+    for i in range(1, L.shape[-1]):
+        done = torch.stack(rows, dim=-2)  # [..., i, ·]
+        rows.append(rhs[..., i, :] - (L[..., i, :i, None] * done).sum(-2))
+    return torch.stack(rows, dim=-2)
 
 
 def fla_kda_available(device: torch.device) -> bool:
