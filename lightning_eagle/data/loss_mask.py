@@ -47,7 +47,9 @@ class LossMaskRecovery:
         """Defaults overridden by ``options``; unknown names raise (they would otherwise be silently ignored)."""
         unknown = sorted(set(options) - set(self.defaults))
         if unknown:
-            raise TypeError(f"loss-mask recovery {self.name!r} has no option(s) {unknown}; known: {sorted(self.defaults)}")
+            raise TypeError(
+                f"loss-mask recovery {self.name!r} has no option(s) {unknown}; known: {sorted(self.defaults)}"
+            )
         return {**self.defaults, **options}
 
 
@@ -152,6 +154,8 @@ def _k3_compute(
     mask = [0] * n
     OPEN, CLOSE, SEP, EOM = (tokenizer.convert_tokens_to_ids(t) for t in XTML_MARKERS)
     markers = {OPEN, CLOSE, SEP, EOM}
+    pad = _pad_id(tokenizer)
+    pad = None if pad in markers else pad
     spans: list[tuple[int, int]] = []
 
     i = 0
@@ -185,7 +189,7 @@ def _k3_compute(
             k += 1
         if tag == "message" and attrs.get("role", "").strip().casefold() == "assistant":
             start, end = j + 1, k
-            if k >= n and drop_scaffold_only_tail and _scaffold_only(ids[start:], OPEN, SEP, markers):
+            if k >= n and drop_scaffold_only_tail and _scaffold_only(ids[start:], OPEN, SEP, markers, pad):
                 start = end  # trailing generation prompt / cut inside the first opener: no model output yet
             if start < end and not include_generation_scaffold:
                 start = _skip_leading_scaffold(ids, start, end, tokenizer, OPEN, SEP, markers)
@@ -201,16 +205,17 @@ def _k3_compute(
 
     for start, end in spans[-1:] if last_turn_only else spans:
         mask[start:end] = [1] * (end - start)
-    pad = _pad_id(tokenizer)
-    if pad is not None and pad not in markers:
+    if pad is not None:  # padding is never content, even inside a span that runs to the end
         mask = [0 if t == pad else m for t, m in zip(ids, mask)]
     return torch.tensor(mask, dtype=torch.long)
 
 
-def _scaffold_only(tail: list[int], OPEN: int, SEP: int, markers: set[int]) -> bool:
-    """True when ``tail`` holds only nested-opener scaffolding: ``<|open|>``, header text, ``<|sep|>``."""
+def _scaffold_only(tail: list[int], OPEN: int, SEP: int, markers: set[int], pad: int | None) -> bool:
+    """True when ``tail`` holds only nested-opener scaffolding (``<|open|>``, header text, ``<|sep|>``) and padding."""
     in_header = False
     for token in tail:
+        if token == pad:
+            continue
         if token == OPEN:
             in_header = True
         elif token == SEP:

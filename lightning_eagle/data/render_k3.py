@@ -135,9 +135,9 @@ def normalize_arguments(arguments: Any, where: str) -> tuple[dict[str, Any], str
         except json.JSONDecodeError:
             return {}, arguments
         if not isinstance(parsed, dict):
-            raise ChatFormatError(f"{where}: arguments must be a JSON object, got {type(parsed).__name__}")
+            raise ChatFormatError(f"{where}: expected a JSON object, got a JSON {type(parsed).__name__}")
         return parsed, None
-    raise ChatFormatError(f"{where}: arguments must be a dict or a JSON object string, got {type(arguments).__name__}")
+    raise ChatFormatError(f"{where}: expected a dict or a JSON object string, got {type(arguments).__name__}")
 
 
 def _function_of(call: dict[str, Any]) -> dict[str, Any]:
@@ -232,9 +232,13 @@ def build_k3_segments(
         if not isinstance(message, dict):
             raise ChatFormatError(f"messages[{i}]: expected an object, got {type(message).__name__}")
         if message.get("role") not in KNOWN_ROLES:
-            raise ChatFormatError(f"messages[{i}].role: expected one of {list(KNOWN_ROLES)}, got {message.get('role')!r}")
+            raise ChatFormatError(
+                f"messages[{i}].role: expected one of {list(KNOWN_ROLES)}, got {message.get('role')!r}"
+            )
     if thinking and thinking_effort is not None and thinking_effort not in THINKING_EFFORTS:
-        raise ChatFormatError(f"thinking_effort: expected one of {list(THINKING_EFFORTS)} or None, got {thinking_effort!r}")
+        raise ChatFormatError(
+            f"thinking_effort: expected one of {list(THINKING_EFFORTS)} or None, got {thinking_effort!r}"
+        )
 
     segments: list[Segment] = []
     if tools:
@@ -301,6 +305,24 @@ def build_k3_segments(
     return segments
 
 
+def encode_segments(tokenizer: Any, segments: Sequence[Segment]) -> list[int]:
+    """Encode segment by segment: ours via ``encode_segments``; any tokenizer whose ``encode`` takes
+    ``allow_special_tokens`` (the released ``TikTokenTokenizer`` does) through that."""
+    if hasattr(tokenizer, "encode_segments"):
+        return tokenizer.encode_segments(segments)
+    ids: list[int] = []
+    for segment in segments:
+        if segment.text:
+            ids += tokenizer.encode(segment.text, allow_special_tokens=segment.allow_special)
+    return ids
+
+
+def validate_render_options(**options: Any) -> None:
+    """Raise now (TypeError / ChatFormatError) for options that would fail on every row."""
+    _check_options(options, "validate_render_options")
+    build_k3_segments([{"role": "user", "content": "x"}], **options)
+
+
 def _check_options(options: dict[str, Any], caller: str) -> None:
     unknown = sorted(set(options) - set(RENDER_OPTIONS))
     if unknown:
@@ -330,7 +352,7 @@ def render_k3_chat(
     ``TypeError``.
     """
     _check_options(options, "render_k3_chat")
-    return tokenizer.encode_segments(build_k3_segments(messages, tools, **options))
+    return encode_segments(tokenizer, build_k3_segments(messages, tools, **options))
 
 
 def render_k3_text(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None, **options) -> str:

@@ -466,7 +466,14 @@ def save_tokenizer_dir(tokenizer: KimiTokenizer, directory: str | Path, *, write
     directory.mkdir(parents=True, exist_ok=True)
     write_tiktoken_model(tokenizer._mergeable_ranks, directory / "tiktoken.model")
     decoder = {
-        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for t, i in sorted(tokenizer.special_tokens.items(), key=lambda kv: kv[1])
         if not t.startswith("<|reserved_token_")
     }

@@ -1,0 +1,385 @@
+"""``ChatDataModule``: chat files + a Kimi tokenizer -> masked, padded batches and the draft vocabulary map."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from lightning_eagle.data.dataset import EncodeOptions, TokenizedChatDataset, collate_chat_rows
+from lightning_eagle.data.loss_mask import (
+    KIMI_K3_DEFAULTS,
+    XTML_MARKERS,
+    LossMaskRecovery,
+    get_loss_mask_recovery,
+    get_loss_mask_recovery_by_name,
+)
+from lightning_eagle.data.render_k3 import validate_render_options
+from lightning_eagle.data.synthetic_corpus import bundled_sample_path
+from lightning_eagle.data.tokenizer import KimiTokenizer, resolve_tokenizer
+from lightning_eagle.data.vocab_map import VocabMapping, build_vocab_mapping, vocab_map_fingerprint
+
+log = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("LIGHTNING_EAGLE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lightning_eagle")
+    return Path(root) / "chat_data"
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A permutation that depends only on ``(seed, epoch)`` - not on the global RNG - so runs and resumes agree.
+
+    Lightning calls ``set_epoch`` at every epoch start (also through its distributed wrapper). Each pass also
+    advances the epoch by one, so a plain ``for epoch ...: for batch in loader`` loop sees a new order every time.
+    """
+
+    def __init__(self, num_samples: int, seed: int, shuffle: bool = True) -> None:
+        self.num_samples, self.seed, self.shuffle, self.epoch = num_samples, seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=generator).tolist()
+
+    def __iter__(self):
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        return iter(self.order(epoch))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class _Subset(torch.utils.data.Dataset):
+    def __init__(self, dataset: TokenizedChatDataset, indices: list[int]) -> None:
+        self.dataset, self.indices = dataset, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.dataset[self.indices[i]]
+
+
+class _Collate:
+    """Picklable collate function (loader worker processes need to pickle it)."""
+
+    def __init__(self, pad_token_id: int, pad_to: int | None) -> None:
+        self.pad_token_id, self.pad_to = pad_token_id, pad_to
+
+    def __call__(self, rows):
+        return collate_chat_rows(rows, self.pad_token_id, self.pad_to)
+
+
+class ChatDataModule(pl.LightningDataModule):
+    """Chat conversations (JSONL/JSON) or pre-tokenized rows -> ``input_ids``, ``attention_mask``, ``loss_mask``.
+
+    Rows are rendered in K3 XTML (generation prompt off), cut to ``max_length``, masked by the loss-mask recovery the
+    tokenizer selects (``kimi_k3`` for K3), cached on disk, split deterministically into train/val and right-padded
+    per batch. With no arguments it uses the bundled synthetic corpus and the synthetic K3 tokenizer (vocab 512).
+
+    After ``setup()``: ``vocab_mapping`` (``d2t``, ``t2d``, ``selected``, built from the training split's supervised
+    tokens), ``summary`` (row counts), ``train_dataset`` / ``val_dataset``. Available right after construction (for
+    ``LightningCLI`` links): ``tokenizer``, ``vocab_size``, ``bos_token_id``, ``eos_token_id`` (K3's
+    ``<|end_of_msg|>``, the id the K3 model config calls eos), ``pad_token_id``, ``draft_vocab_size``.
+
+    Args:
+        train_files: JSONL/JSON files of rows; None = the bundled synthetic sample.
+        val_files: explicit validation files; if None, ``val_fraction`` of the training rows is held out.
+        tokenizer: ``"synthetic"`` (golden K3 layout), ``"synthetic-k2"``, or a Kimi tokenizer directory (a
+            ``KimiTokenizer`` object is accepted from Python).
+        max_length: rows are right-cut to this many tokens before masking (cut rows are counted).
+        batch_size: rows per batch.
+        val_fraction: share of training rows held out when ``val_files`` is None (0 disables validation).
+        seed: split and shuffle seed (shuffling depends only on seed and epoch).
+        thinking / thinking_effort: K3 render options (reference defaults: on, ``"max"``); keep them equal to the
+            serving configuration. ``thinking_effort=None`` omits the ~280-token effort note (byte tokenizer).
+        loss_mask_recovery: force a registered recovery by name; None = detect from the tokenizer (raises if none).
+        include_generation_scaffold / include_trailer / last_turn_only / drop_scaffold_only_tail: ``kimi_k3``
+            options (chat spec §6.7); ignored names raise for other recoveries.
+        draft_vocab_size: draft vocabulary size; None (or >= vocab) = identity map.
+        on_bad_row: ``"raise"`` on the first malformed row (file:line: field: problem) or ``"skip"`` and count it.
+        cache_dir: tokenized-data cache root (default ``$LIGHTNING_EAGLE_CACHE`` or ``~/.cache/lightning_eagle``);
+            ``use_cache=False`` disables reading and writing it.
+        tokenize_workers: processes for tokenization; None = automatic (in-process below 2000 rows).
+        loader_workers: ``DataLoader`` worker processes.
+        pad_to_max_length: pad every batch to ``max_length`` instead of its longest row.
+        shuffle: shuffle training rows each epoch.
+    """
+
+    def __init__(
+        self,
+        train_files: list[str] | str | None = None,
+        val_files: list[str] | str | None = None,
+        tokenizer: str = "synthetic",
+        max_length: int = 4096,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        seed: int = 0,
+        thinking: bool = True,
+        thinking_effort: str | None = "max",
+        loss_mask_recovery: str | None = None,
+        include_generation_scaffold: bool = True,
+        include_trailer: bool = False,
+        last_turn_only: bool = False,
+        drop_scaffold_only_tail: bool = True,
+        draft_vocab_size: int | None = None,
+        on_bad_row: Literal["raise", "skip"] = "raise",
+        cache_dir: str | None = None,
+        use_cache: bool = True,
+        tokenize_workers: int | None = None,
+        loader_workers: int = 0,
+        pad_to_max_length: bool = False,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__()
+        if max_length < 2:
+            raise ValueError(f"max_length must be at least 2, got {max_length}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if on_bad_row not in ("raise", "skip"):
+            raise ValueError(f"on_bad_row must be 'raise' or 'skip', got {on_bad_row!r}")
+        self.save_hyperparameters()
+        self.train_files = _as_file_list(train_files) or [str(bundled_sample_path())]
+        self.val_files = _as_file_list(val_files)
+        self.batch_size, self.max_length, self.seed = batch_size, max_length, seed
+        self.val_fraction, self.shuffle, self.pad_to_max_length = val_fraction, shuffle, pad_to_max_length
+        self.on_bad_row, self.tokenize_workers, self.loader_workers = on_bad_row, tokenize_workers, loader_workers
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.use_cache = use_cache
+        self.render_options = {"thinking": thinking, "thinking_effort": thinking_effort}
+        validate_render_options(**self.render_options)
+
+        self.tokenizer: KimiTokenizer = resolve_tokenizer(tokenizer)
+        self.recovery: LossMaskRecovery = self._select_recovery(loss_mask_recovery)
+        mask_options = {
+            "include_generation_scaffold": include_generation_scaffold,
+            "include_trailer": include_trailer,
+            "last_turn_only": last_turn_only,
+            "drop_scaffold_only_tail": drop_scaffold_only_tail,
+        }
+        # Only pass what the chosen recovery understands; a non-default value it does not know is an error.
+        supported = {k: v for k, v in mask_options.items() if k in self.recovery.defaults}
+        unsupported = {
+            k: v for k, v in mask_options.items() if k not in self.recovery.defaults and v != KIMI_K3_DEFAULTS[k]
+        }
+        if unsupported:
+            raise ValueError(f"loss-mask recovery {self.recovery.name!r} does not support {sorted(unsupported)}")
+        self.recovery_options = self.recovery.resolve_options(**supported)
+        self.draft_vocab_size = draft_vocab_size
+
+        self.train_dataset: torch.utils.data.Dataset | None = None
+        self.val_dataset: torch.utils.data.Dataset | None = None
+        self.vocab_mapping: VocabMapping | None = None
+        self.summary: dict[str, Any] = {}
+        self._train_data: TokenizedChatDataset | None = None
+        self._train_sampler: EpochShuffleSampler | None = None
+
+    # ------------------------------------------------------------------------------------------- linkable values
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def bos_token_id(self) -> int:
+        return self.tokenizer.bos_token_id
+
+    @property
+    def eos_token_id(self) -> int:
+        end_of_msg = self.tokenizer.end_of_msg_token_id
+        return end_of_msg if end_of_msg is not None else self.tokenizer.eos_token_id
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id
+
+    @property
+    def forced_vocab_ids(self) -> list[int]:
+        """Ids always kept in the draft vocabulary: bos/eos/pad/unk and the XTML markers."""
+        tok = self.tokenizer
+        ids = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id, tok.end_of_msg_token_id}
+        ids |= {tok.special_tokens[m] for m in XTML_MARKERS if m in tok.special_tokens}
+        return sorted(i for i in ids if i is not None)
+
+    # ------------------------------------------------------------------------------------------- hooks
+
+    def _select_recovery(self, name: str | None) -> LossMaskRecovery:
+        if name is not None:
+            return get_loss_mask_recovery_by_name(name)
+        recovery = get_loss_mask_recovery(self.tokenizer)
+        if recovery is None:
+            raise RuntimeError(
+                f"no loss-mask recovery detects tokenizer {self.tokenizer!r}; a slow Kimi tokenizer needs one "
+                "(never falling back to an all-zero or all-ones mask). Pass loss_mask_recovery=<name> or register one."
+            )
+        return recovery
+
+    def _encode_options(self) -> EncodeOptions:
+        return EncodeOptions(
+            max_length=self.max_length,
+            render_options=dict(self.render_options),
+            recovery_name=self.recovery.name,
+            recovery_options=dict(self.recovery_options),
+            on_bad_row=self.on_bad_row,
+        )
+
+    def _load(self, files: list[str]) -> TokenizedChatDataset:
+        return TokenizedChatDataset.build_or_load(
+            files,
+            self.tokenizer,
+            self.recovery,
+            self._encode_options(),
+            cache_dir=self.cache_dir if self.use_cache else None,
+            workers=self.tokenize_workers,
+        )
+
+    def prepare_data(self) -> None:
+        """Tokenize and cache (rank 0 per node); ``setup`` then reads the cache."""
+        if self.use_cache:
+            self._load(self.train_files)
+            if self.val_files:
+                self._load(self.val_files)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._train_data is not None:
+            return
+        train = self._load(self.train_files)
+        self._train_data = train
+        train_idx, val_idx = self._split(len(train))
+        if len(train_idx) == 0:
+            raise RuntimeError(f"no training rows left after filtering:\n{train.summary.describe()}")
+        self.train_dataset = _Subset(train, train_idx)
+        if self.val_files:
+            val = self._load(self.val_files)
+            self.val_dataset = _Subset(val, list(range(len(val)))) if len(val) else None
+            self.summary = {"train": train.summary.__dict__, "val": val.summary.__dict__}
+        else:
+            self.val_dataset = _Subset(train, val_idx) if val_idx else None
+            self.summary = {"train": train.summary.__dict__}
+        self.summary["split"] = {"train_rows": len(train_idx), "val_rows": len(self.val_dataset or [])}
+        self.vocab_mapping = self._vocab_mapping(train, train_idx)
+
+    def _split(self, n: int) -> tuple[list[int], list[int]]:
+        if self.val_files or self.val_fraction == 0 or n < 2:
+            return list(range(n)), []
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed)).tolist()
+        n_val = min(n - 1, max(1, round(n * self.val_fraction)))
+        return sorted(order[n_val:]), sorted(order[:n_val])
+
+    def _vocab_mapping(self, data: TokenizedChatDataset, train_idx: list[int]) -> VocabMapping:
+        V, N_d = self.vocab_size, self.draft_vocab_size
+        fields = {
+            "tokenizer": self.tokenizer.fingerprint,
+            "dataset": data.key,
+            "train_rows": _digest(train_idx),
+            "recovery": self.recovery.name,
+            "recovery_options": self.recovery_options,
+            "target_vocab_size": V,
+            "draft_vocab_size": N_d,
+            "forced_ids": self.forced_vocab_ids,
+        }
+        fingerprint = vocab_map_fingerprint(fields)
+        path = self.cache_dir / data.key / f"vocab_map_{N_d}_{fingerprint[:16]}.safetensors" if data.key else None
+        if self.use_cache and path is not None and path.is_file():
+            try:
+                return VocabMapping.load(path, expected_fingerprint=fingerprint)
+            except (ValueError, OSError, KeyError) as exc:
+                log.warning("rebuilding vocab map: cached %s unusable (%s)", path, exc)
+        mapping = build_vocab_mapping(
+            (ids for ids, _ in data.rows(train_idx)),
+            (mask for _, mask in data.rows(train_idx)),
+            target_vocab_size=V,
+            draft_vocab_size=N_d,
+            forced_ids=self.forced_vocab_ids,
+            fingerprint=fingerprint,
+        )
+        if self.use_cache and path is not None:
+            mapping.save(path, fields)
+        return mapping
+
+    # ------------------------------------------------------------------------------------------- loaders
+
+    def _collate(self) -> _Collate:
+        return _Collate(self.pad_token_id, self.max_length if self.pad_to_max_length else None)
+
+    def train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise RuntimeError("call setup() before train_dataloader()")
+        if self._train_sampler is None:  # one sampler per data module, so repeated calls keep advancing epochs
+            self._train_sampler = EpochShuffleSampler(len(self.train_dataset), self.seed, self.shuffle)
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            sampler=self._train_sampler,
+            collate_fn=self._collate(),
+            num_workers=self.loader_workers,
+            persistent_workers=self.loader_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_dataset is None:
+            return []
+        return DataLoader(
+            self.val_dataset,
+            batch_size=self.batch_size,
+            shuffle=False,
+            collate_fn=self._collate(),
+            num_workers=self.loader_workers,
+        )
+
+    # ------------------------------------------------------------------------------------------- resume
+
+    def state_dict(self) -> dict[str, Any]:
+        """Identity of the data a checkpoint was trained on: seed (split, shuffle), cache key and vocab map.
+
+        Mid-epoch position is not stored: a resumed epoch replays its (seeded) order from the start.
+        """
+        data = self._train_data
+        return {
+            "seed": self.seed,
+            "dataset_key": data.key if data is not None else None,
+            "vocab_map_fingerprint": self.vocab_mapping.fingerprint if self.vocab_mapping is not None else None,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Refuse to resume with a different seed (split and shuffle order), data or vocab map."""
+        if state_dict.get("seed") is not None and state_dict["seed"] != self.seed:
+            raise ValueError(
+                f"checkpoint was trained with data seed {state_dict['seed']}, this data module uses {self.seed}: "
+                "the train/val split and shuffle order would differ"
+            )
+        mine = self.state_dict()
+        for key in ("dataset_key", "vocab_map_fingerprint"):
+            theirs = state_dict.get(key)
+            if theirs is not None and mine[key] is not None and theirs != mine[key]:
+                raise ValueError(
+                    f"checkpoint was trained with a different {key} ({theirs[:16]}…) than this data module "
+                    f"({mine[key][:16]}…): the data, tokenizer or masking options changed"
+                )
+
+
+def _as_file_list(files: list[str] | str | None) -> list[str]:
+    if files is None:
+        return []
+    if isinstance(files, (str, os.PathLike)):
+        return [str(files)]
+    return [str(f) for f in files]
+
+
+def _digest(indices: list[int]) -> str:
+    return hashlib.sha256(json.dumps(indices).encode()).hexdigest()[:16]
