@@ -42,10 +42,14 @@ def main() -> None:
     state = layers["naive"].state_dict()
     layers["chunk"].load_state_dict(state)
     models = {b: KimiK3ForCausalLM(config, kda_backend=b).init_weights(0).freeze() for b in ("naive", "chunk")}
-    print(f"preset {args.preset}, B=1, fp32, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats}")
+    print(
+        f"preset {args.preset}, B=1, fp32, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"median of {args.repeats}"
+    )
     print()
-    print("| T | KDA layer naive (ms) | KDA layer chunked (ms) | ratio | model naive (ms) | model chunked (ms) | ratio |")
+    print(
+        "| T | KDA layer naive (ms) | KDA layer chunked (ms) | ratio | model naive (ms) | model chunked (ms) | ratio |"
+    )
     print("|---|---|---|---|---|---|---|")
     for T in args.lengths:
         x = torch.randn(1, T, config.hidden_size)

@@ -20,8 +20,8 @@ class UnsupportedLayoutError(ValueError, NotImplementedError):
 
 def validate_layout(
     *,
-    world_size: int,
-    num_experts: int,
+    world_size: int | None,
+    num_experts: int | None,
     expert_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
     context_parallel_size: int = 1,
@@ -33,16 +33,24 @@ def validate_layout(
     device_types: Sequence[str] | None = None,
     target_force_hf: bool = False,
 ) -> None:
-    """Return None for a valid layout; raise ``ValueError`` (sub)classes naming the offending setting otherwise."""
+    """Return None for a valid layout; raise ``ValueError`` (sub)classes naming the offending setting otherwise.
+
+    ``world_size`` / ``num_experts`` may be None where the caller does not know them yet (those checks are skipped).
+    """
     if target_backend != "colocated":
         raise UnsupportedLayoutError(
             f"K3 EAGLE-3 training requires target_model_backend='colocated' (got target_backend={target_backend!r}): "
             "the frozen target runs inside the trainer; sglang/vllm/remote targets are not supported"
         )
     if target_force_hf:
-        raise ValueError("target_force_hf=True is not supported: K3 has no HuggingFace implementation; "
-                         "lightning_eagle's own KimiK3ForCausalLM is the target")
-    for name, size in (("tensor_parallel_size", tensor_parallel_size), ("context_parallel_size", context_parallel_size)):
+        raise ValueError(
+            "target_force_hf=True is not supported: K3 has no HuggingFace implementation; "
+            "lightning_eagle's own KimiK3ForCausalLM is the target"
+        )
+    for name, size in (
+        ("tensor_parallel_size", tensor_parallel_size),
+        ("context_parallel_size", context_parallel_size),
+    ):
         if size != 1:
             raise UnsupportedLayoutError(
                 f"{name}={size}: the K3 target supports neither context nor tensor parallelism; shard the target "
@@ -66,12 +74,12 @@ def validate_layout(
     ep = expert_parallel_size
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"expert_parallel_size must be a positive int, got {ep!r}")
-    if world_size % ep:
+    if world_size is not None and world_size % ep:
         raise ValueError(
             f"expert_parallel_size ({ep}) must divide the world size ({world_size}): expert parallelism is carved "
             "out of the data-parallel ranks"
         )
-    if num_experts % ep:
+    if num_experts is not None and num_experts % ep:
         raise ValueError(
             f"num_experts ({num_experts}) is not divisible by expert_parallel_size ({ep}); each rank must hold a "
             "contiguous, equal slice of routed experts"

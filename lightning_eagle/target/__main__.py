@@ -1,7 +1,7 @@
 """Smoke run of the K3 target on CPU: build (or load) a checkpoint, run a forward and an EAGLE-3 capture.
 
-    python -m lightning_eagle.target                      # synthetic k3-tiny, written and reloaded
-    python -m lightning_eagle.target --checkpoint DIR     # a released-layout checkpoint directory
+python -m lightning_eagle.target                      # synthetic k3-tiny, written and reloaded
+python -m lightning_eagle.target --checkpoint DIR     # a released-layout checkpoint directory
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"wrote a synthetic {args.preset} checkpoint (MXFP4 experts) to {path}")
         start = time.perf_counter()
         target = KimiK3ForCausalLM.from_pretrained(path, dtype=torch.float32)
-        print(f"loaded in {time.perf_counter() - start:.2f}s: {target.config.num_hidden_layers} layers, "
-              f"{sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters")
+        print(
+            f"loaded in {time.perf_counter() - start:.2f}s: {target.config.num_hidden_layers} layers, "
+            f"{sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters"
+        )
         L = target.config.num_hidden_layers
         ids = args.aux_layer_ids or ([1, L // 2, L - 1] if L <= 8 else None)
         input_ids = torch.randint(0, target.config.vocab_size, (2, args.seq_len))
@@ -40,8 +42,10 @@ def main(argv: list[str] | None = None) -> None:
         mask[1, args.seq_len // 2 :] = 0
         start = time.perf_counter()
         cap = target.capture(input_ids, mask, aux_layer_ids=ids, return_logits=True)
-        print(f"capture in {time.perf_counter() - start:.3f}s: logits {tuple(cap.logits.shape)}, "
-              f"aux {tuple(cap.aux_hidden_states.shape)} (ids {ids}), final_hidden {tuple(cap.final_hidden.shape)}")
+        print(
+            f"capture in {time.perf_counter() - start:.3f}s: logits {tuple(cap.logits.shape)}, "
+            f"aux {tuple(cap.aux_hidden_states.shape)} (ids {ids}), final_hidden {tuple(cap.final_hidden.shape)}"
+        )
         assert torch.isfinite(cap.logits).all()
 
 

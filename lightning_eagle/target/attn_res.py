@@ -13,9 +13,7 @@ from torch import nn
 from lightning_eagle.ops.norm import K3RMSNorm
 
 
-def attn_res_mix(
-    prefix: torch.Tensor, bank: list[torch.Tensor], norm: K3RMSNorm, proj: nn.Linear
-) -> torch.Tensor:
+def attn_res_mix(prefix: torch.Tensor, bank: list[torch.Tensor], norm: K3RMSNorm, proj: nn.Linear) -> torch.Tensor:
     """``Mix(p, bank)``: all math fp32, output in the prefix's dtype."""
     values = torch.stack([*bank, prefix], dim=-2).float()  # [..., m+1, H], prefix LAST
     keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + norm.eps)  # weightless RMS normalisation

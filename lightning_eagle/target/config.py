@@ -215,8 +215,16 @@ class KimiK3TextConfig(PretrainedConfig):
                 f"MLA has one K/V head per query head: num_key_value_heads ({self.num_key_value_heads}) must equal "
                 f"num_attention_heads ({self.num_attention_heads})"
             )
-        for name in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
-                     "intermediate_size", "vocab_size", "moe_intermediate_size"):
+        for name in (
+            "hidden_size",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "moe_intermediate_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -245,9 +253,7 @@ class KimiK3TextConfig(PretrainedConfig):
             if not isinstance(k, int) or not 1 <= k <= E:
                 raise ValueError(f"num_experts_per_token ({k}) must be in [1, num_experts={E}]")
             if self.num_expert_group < 1 or E % self.num_expert_group:
-                raise ValueError(
-                    f"num_expert_group ({self.num_expert_group}) must divide num_experts ({E})"
-                )
+                raise ValueError(f"num_expert_group ({self.num_expert_group}) must divide num_experts ({E})")
             if not 1 <= self.topk_group <= self.num_expert_group:
                 raise ValueError(
                     f"topk_group ({self.topk_group}) must be in [1, num_expert_group={self.num_expert_group}]"
@@ -258,12 +264,12 @@ class KimiK3TextConfig(PretrainedConfig):
                     f"fewer than num_experts_per_token ({k})"
                 )
             if self.experts_are_mxfp4:
-                for name, width in (("routed_expert_hidden_size", self.expert_hidden_size),
-                                    ("moe_intermediate_size", self.moe_intermediate_size)):
+                for name, width in (
+                    ("routed_expert_hidden_size", self.expert_hidden_size),
+                    ("moe_intermediate_size", self.moe_intermediate_size),
+                ):
                     if width % MXFP4_GROUP:
-                        raise ValueError(
-                            f"MXFP4 experts need input widths divisible by {MXFP4_GROUP}: {name}={width}"
-                        )
+                        raise ValueError(f"MXFP4 experts need input widths divisible by {MXFP4_GROUP}: {name}={width}")
         if self.first_k_dense_replace < 0 or self.moe_layer_freq < 1:
             raise ValueError("first_k_dense_replace must be >= 0 and moe_layer_freq >= 1")
         bs = self.attn_res_block_size

@@ -39,9 +39,8 @@ class RoutedExperts(nn.Module):
 
     def expert(self, local: int, z: torch.Tensor) -> torch.Tensor:
         """One expert on ``z [n_tok, H_l]`` → model-dtype output ``[n_tok, H_l]``."""
-        I = self.intermediate_size
-        gu = z @ self.gate_up_proj[local]
-        return situ_and_mul(gu[:, :I], gu[:, I:], self.beta, self.linear_beta) @ self.down_proj[local]
+        gate, up = (z @ self.gate_up_proj[local]).split(self.intermediate_size, dim=-1)
+        return situ_and_mul(gate, up, self.beta, self.linear_beta) @ self.down_proj[local]
 
     def forward(self, z: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         """Grouped path: tokens sorted by expert, one GEMM pair per local expert. Returns the fp32 partial sum

@@ -26,7 +26,7 @@ def naive_recurrent_kda(
     S = q.new_zeros(B, H, K, v.shape[-1])
     out = []
     for t in range(T):
-        S = S * g[:, t].exp()[..., None]
+        S = S * flushed_exp(g[:, t])[..., None]
         k_t = k[:, t]
         predicted = torch.einsum("bhkv,bhk->bhv", S, k_t)
         S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k_t, v[:, t] - predicted)
@@ -80,7 +80,7 @@ def chunk_kda(
     decay = G.exp()
     k_dec = k * decay  # K̃
     k_inv = k * (-G).exp()  # K̂
-    q_dec = q * scale * decay  # Q̃
+    q_dec = q * scale * decay  # Q̃ (intra-chunk factor)
     strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
     incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     A = (k_dec @ k_inv.transpose(-1, -2)).masked_fill(~strict, 0.0)
@@ -88,16 +88,24 @@ def chunk_kda(
     W = unit_lower_solve(beta[..., None] * A, rhs)
     W_v, W_k = W[..., :V], W[..., V:]
     P = (q_dec @ k_inv.transpose(-1, -2)).masked_fill(~incl, 0.0)
-    chunk_decay = decay[..., -1, :]  # Γ_C  [B,H,N,K]
-    k_to_end = k * (G[..., -1:, :] - G).exp()  # K⊙Γ_C/Γ
+    # Terms that multiply the carried state use decays flushed to 0 below e^-60: the true contribution is < 1e-26
+    # of the state, and letting it go subnormal makes CPU float maths 10-100x slower on trained gates.
+    q_inter = q * scale * flushed_exp(G)
+    chunk_decay = flushed_exp(G[..., -1, :])  # Γ_C  [B,H,N,K]
+    k_to_end = k * flushed_exp(G[..., -1:, :] - G)  # K⊙Γ_C/Γ
     S = q.new_zeros(B, H, K, V)
     outs = []
     for n in range(N):
         U = W_v[:, :, n] - W_k[:, :, n] @ S
-        outs.append(q_dec[:, :, n] @ S + P[:, :, n] @ U)
+        outs.append(q_inter[:, :, n] @ S + P[:, :, n] @ U)
         S = chunk_decay[:, :, n, :, None] * S + k_to_end[:, :, n].transpose(-1, -2) @ U
     o = torch.stack(outs, dim=2)  # [B,H,N,C,V]
     return o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
+
+
+def flushed_exp(x: torch.Tensor, floor: float = -60.0) -> torch.Tensor:
+    """``exp(x)`` with results below ``e^floor`` set to exactly 0 (keeps the recurrence out of subnormal floats)."""
+    return x.exp().masked_fill(x < floor, 0.0)
 
 
 def unit_lower_solve(L: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,9 @@ from lightning_eagle.target.mxfp4 import decode_mxfp4
 TEXT_PREFIX = "language_model."
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
 SUPPORTED_ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiK3ForCausalLM", "KimiLinearForCausalLM")
-_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
+_EXPERT_KEY = re.compile(
+    r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$"
+)
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
@@ -127,7 +129,7 @@ class StateLoader:
         self.model, self.ckpt, self.dtype, self.device = model, ckpt, dtype, device
         keys = [k for k in ckpt.keys() if not k.startswith(SKIPPED_PREFIXES)]
         self.prefix = TEXT_PREFIX if any(k.startswith(TEXT_PREFIX) for k in keys) else ""
-        self.names = {k[len(self.prefix):]: k for k in keys if k.startswith(self.prefix)}
+        self.names = {k[len(self.prefix) :]: k for k in keys if k.startswith(self.prefix)}
         self.foreign = [k for k in keys if not k.startswith(self.prefix)]
 
     def where(self, key: str) -> str:
@@ -202,9 +204,10 @@ class StateLoader:
             problems.append(f"mis-shaped {len(bad_shape)} tensor(s): {_short(bad_shape)}")
         if problems:
             files = sorted({f.name for f in self.ckpt.files.values()})
-            raise CheckpointError(f"checkpoint {files[0] if len(files) == 1 else files} does not match "
-                                  f"{type(self.model).__name__} ({self.model.config.num_hidden_layers} layers): "
-                                  + "; ".join(problems))
+            raise CheckpointError(
+                f"checkpoint {files[0] if len(files) == 1 else files} does not match "
+                f"{type(self.model).__name__} ({self.model.config.num_hidden_layers} layers): " + "; ".join(problems)
+            )
         for name, p in plain.items():
             self._assign(name, self._read_plain(name, p))
         if self.model.config.tie_word_embeddings and "lm_head.weight" not in self.names:
@@ -219,7 +222,7 @@ class StateLoader:
         key = self.names[name]
         t = self.ckpt.get(key)
         if name.endswith("A_log"):
-            tail = t[p.shape[0]:]
+            tail = t[p.shape[0] :]
             if tail.numel() and bool((tail != 0).any()):
                 raise CheckpointError(f"{self.where(key)}: A_log padding beyond {p.shape[0]} heads is not zero")
             t = t[: p.shape[0]]
@@ -235,14 +238,17 @@ class StateLoader:
 
     def _load_experts(self, mod_name: str, module) -> None:
         n, Hl, I2 = module.gate_up_proj.shape
-        I = I2 // 2
+        inter = I2 // 2
         gate_up = torch.empty(n, Hl, I2, dtype=self.dtype, device=self.device)
-        down = torch.empty(n, I, Hl, dtype=self.dtype, device=self.device)
+        down = torch.empty(n, inter, Hl, dtype=self.dtype, device=self.device)
         for local in range(n):
             e = module.start + local
             # Destinations are transposed (non-contiguous) views of the stacked tensors.
-            for w, dest in (("w1", gate_up[local, :, :I].t()), ("w3", gate_up[local, :, I:].t()),
-                            ("w2", down[local].t())):
+            for w, dest in (
+                ("w1", gate_up[local, :, :inter].t()),
+                ("w3", gate_up[local, :, inter:].t()),
+                ("w2", down[local].t()),
+            ):
                 stem = f"{mod_name}.{e}.{w}"
                 if stem + ".weight" in self.names:
                     dest.copy_(self.ckpt.get(self.names[stem + ".weight"]))

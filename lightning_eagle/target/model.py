@@ -113,8 +113,9 @@ class KimiK3ForCausalLM(nn.Module):
         safetensors; MXFP4 or plain experts). Returns the model frozen and in eval mode."""
         from lightning_eagle.target.loader import load_k3_checkpoint
 
-        return load_k3_checkpoint(cls, path, dtype=dtype, device=device, expert_range=expert_range,
-                                  kda_backend=kda_backend)
+        return load_k3_checkpoint(
+            cls, path, dtype=dtype, device=device, expert_range=expert_range, kda_backend=kda_backend
+        )
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float | None = None) -> KimiK3ForCausalLM:

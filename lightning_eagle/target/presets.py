@@ -58,9 +58,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # H=64 for speed; not MXFP4-compatible
     "k3-tiny-fast": _variant(
-        hidden_size=64, q_lora_rank=36, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=14,
-        linear_attn_config={"num_heads": 4, "head_dim": 20}, routed_expert_hidden_size=48,
-        moe_intermediate_size=20, intermediate_size=128,
+        hidden_size=64,
+        q_lora_rank=36,
+        kv_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=14,
+        linear_attn_config={"num_heads": 4, "head_dim": 20},
+        routed_expert_hidden_size=48,
+        moe_intermediate_size=20,
+        intermediate_size=128,
     ),
 }
 

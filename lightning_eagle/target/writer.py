@@ -49,12 +49,12 @@ def checkpoint_state_dict(model, mxfp4: bool = True, prefix: str = TEXT_PREFIX) 
     for mod_name, module in model.named_modules():
         if type(module).__name__ != "RoutedExperts":
             continue
-        I = module.intermediate_size
+        inter = module.intermediate_size
         for local in range(module.count):
             e = module.start + local
             weights = {
-                "w1": module.gate_up_proj[local, :, :I].t(),
-                "w3": module.gate_up_proj[local, :, I:].t(),
+                "w1": module.gate_up_proj[local, :, :inter].t(),
+                "w3": module.gate_up_proj[local, :, inter:].t(),
                 "w2": module.down_proj[local].t(),
             }
             for w, weight in weights.items():

@@ -58,8 +58,10 @@ def test_truncation_filters_instead_of_regenerating():
         ({"topk_method": "greedy"}, "noaux_tc"),
         ({"moe_router_activation_func": "relu"}, "moe_router_activation_func"),
         ({"attn_res_block_size": 0}, "attn_res_block_size"),
-        ({"routed_expert_hidden_size": 48, "quantization_config": {"format": "mxfp4-pack-quantized"}},
-         "divisible by 32: routed_expert_hidden_size=48"),
+        (
+            {"routed_expert_hidden_size": 48, "quantization_config": {"format": "mxfp4-pack-quantized"}},
+            "divisible by 32: routed_expert_hidden_size=48",
+        ),
     ],
 )
 def test_validation_messages(overrides, fragment):

@@ -62,10 +62,14 @@ def test_checkpoint_layout_details(ckpt_dir, source):
         state.update(load_file(str(ckpt_dir / shard)))
     a_log = state["language_model.model.layers.0.self_attn.A_log"]
     assert a_log.shape == (128,) and a_log[3:].abs().sum() == 0
-    w1 = decode_mxfp4(state["language_model.model.layers.1.block_sparse_moe.experts.2.w1.weight_packed"],
-                      state["language_model.model.layers.1.block_sparse_moe.experts.2.w1.weight_scale"])
-    w3 = decode_mxfp4(state["language_model.model.layers.1.block_sparse_moe.experts.2.w3.weight_packed"],
-                      state["language_model.model.layers.1.block_sparse_moe.experts.2.w3.weight_scale"])
+    w1 = decode_mxfp4(
+        state["language_model.model.layers.1.block_sparse_moe.experts.2.w1.weight_packed"],
+        state["language_model.model.layers.1.block_sparse_moe.experts.2.w1.weight_scale"],
+    )
+    w3 = decode_mxfp4(
+        state["language_model.model.layers.1.block_sparse_moe.experts.2.w3.weight_packed"],
+        state["language_model.model.layers.1.block_sparse_moe.experts.2.w3.weight_scale"],
+    )
     gate_up = source.model.layers[1].block_sparse_moe.experts.gate_up_proj[2]
     assert torch.equal(gate_up[:, :32], w1.t()) and torch.equal(gate_up[:, 32:], w3.t())  # gate half first
 
@@ -73,9 +77,13 @@ def test_checkpoint_layout_details(ckpt_dir, source):
 def test_fp32_islands_and_dtype(ckpt_dir):
     model = KimiK3ForCausalLM.from_pretrained(ckpt_dir, dtype=torch.bfloat16)
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
-    for name in ("model.layers.0.self_attn.A_log", "model.layers.0.self_attn.dt_bias",
-                 "model.layers.0.self_attn.k_conv1d.weight", "model.layers.0.self_attn.o_norm.weight",
-                 "model.layers.2.block_sparse_moe.gate.e_score_correction_bias"):
+    for name in (
+        "model.layers.0.self_attn.A_log",
+        "model.layers.0.self_attn.dt_bias",
+        "model.layers.0.self_attn.k_conv1d.weight",
+        "model.layers.0.self_attn.o_norm.weight",
+        "model.layers.2.block_sparse_moe.gate.e_score_correction_bias",
+    ):
         assert dtypes[name] == torch.float32, name
     assert dtypes["model.layers.1.block_sparse_moe.experts.down_proj"] == torch.bfloat16
     assert dtypes["lm_head.weight"] == torch.bfloat16
@@ -119,16 +127,28 @@ LAYER1 = "language_model.model.layers.1."
     "edit, fragment",
     [
         (lambda s: s.pop(LAYER1 + "input_layernorm.weight"), "missing 1 key(s): " + LAYER1 + "input_layernorm.weight"),
-        (lambda s: s.pop(LAYER1 + "block_sparse_moe.experts.3.w2.weight_scale"),
-         LAYER1 + "block_sparse_moe.experts.3.w2.weight (or .weight_packed + .weight_scale)"),
-        (lambda s: s.__setitem__(LAYER1 + "self_attn.extra.weight", torch.zeros(2)),
-         "unexpected 1 key(s): " + LAYER1 + "self_attn.extra.weight"),
-        (lambda s: s.__setitem__(LAYER1 + "block_sparse_moe.experts.8.w1.weight", torch.zeros(32, 96)),
-         "unexpected 1 key(s): " + LAYER1 + "block_sparse_moe.experts.8.w1.weight"),
-        (lambda s: s.__setitem__("language_model.lm_head.weight", torch.zeros(255, 128)),
-         "'language_model.lm_head.weight' in model.safetensors: expected (256, 128), got (255, 128)"),
-        (lambda s: s.__setitem__(LAYER1 + "block_sparse_moe.experts.0.w2.weight_packed",
-                                 torch.zeros(96, 8, dtype=torch.uint8)), "expected packed (96, 16)"),
+        (
+            lambda s: s.pop(LAYER1 + "block_sparse_moe.experts.3.w2.weight_scale"),
+            LAYER1 + "block_sparse_moe.experts.3.w2.weight (or .weight_packed + .weight_scale)",
+        ),
+        (
+            lambda s: s.__setitem__(LAYER1 + "self_attn.extra.weight", torch.zeros(2)),
+            "unexpected 1 key(s): " + LAYER1 + "self_attn.extra.weight",
+        ),
+        (
+            lambda s: s.__setitem__(LAYER1 + "block_sparse_moe.experts.8.w1.weight", torch.zeros(32, 96)),
+            "unexpected 1 key(s): " + LAYER1 + "block_sparse_moe.experts.8.w1.weight",
+        ),
+        (
+            lambda s: s.__setitem__("language_model.lm_head.weight", torch.zeros(255, 128)),
+            "'language_model.lm_head.weight' in model.safetensors: expected (256, 128), got (255, 128)",
+        ),
+        (
+            lambda s: s.__setitem__(
+                LAYER1 + "block_sparse_moe.experts.0.w2.weight_packed", torch.zeros(96, 8, dtype=torch.uint8)
+            ),
+            "expected packed (96, 16)",
+        ),
         (lambda s: s.__setitem__(LAYER1 + "self_attn.A_log", torch.ones(128)), "A_log padding beyond 3 heads"),
         (lambda s: s.__setitem__(LAYER1 + "self_attn.dt_bias", torch.full((96,), float("nan"))), "NaN or Inf"),
     ],

@@ -31,11 +31,11 @@ def test_bank_commits_and_layer0_reads_raw_embedding(model):
     banks, inputs = [], {}
     layers = model.model.layers
     handles = [layers[0].input_layernorm.register_forward_pre_hook(lambda m, a: inputs.setdefault(0, a[0]))]
-    handles += [l.register_forward_hook(lambda m, a, o: banks.append(len(o[1]))) for l in layers]
+    handles += [layer.register_forward_hook(lambda m, a, o: banks.append(len(o[1]))) for layer in layers]
     model(ids)
     for h in handles:
         h.remove()
-    assert banks == [l // 2 + 1 for l in range(6)]  # block size 2: commits at layers 0, 2, 4
+    assert banks == [i // 2 + 1 for i in range(6)]  # block size 2: commits at layers 0, 2, 4
     assert torch.equal(inputs[0], model.model.embed_tokens(ids))
 
 
@@ -78,7 +78,8 @@ def test_no_attnres_variant_has_no_res_parameters():
 def test_aux_id_validation():
     assert resolve_aux_layer_ids(None, 93) == [1, 45, 89]
     assert resolve_aux_layer_ids(None, 8) == [1, 3, 4]
-    with pytest.raises(ValueError, match=r"default EAGLE-3 aux_layer_ids .* \[1, 2, 2\] are invalid .* pass aux_layer_ids"):
+    fragment = r"default EAGLE-3 aux_layer_ids .* \[1, 2, 2\] are invalid .* pass aux_layer_ids"
+    with pytest.raises(ValueError, match=fragment):
         resolve_aux_layer_ids(None, 6)
     for bad, fragment in (([1, 3], "expected 3 ids"), ([1, 3, 3], "distinct"), ([1, 3, 7], r"in \[0, 6\]")):
         with pytest.raises(ValueError, match=fragment):
@@ -89,10 +90,12 @@ def test_capture_prefix_mixed_and_final_norm_input(model):
     ids = torch.randint(0, 256, (2, 8))
     layers = model.model.layers
     outs, a_in, norm_in = {}, {}, {}
-    handles = [l.register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(i, o[0])) for i, l in enumerate(layers)]
+    handles = [
+        layer.register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(i, o[0])) for i, layer in enumerate(layers)
+    ]
     handles += [
-        l.input_layernorm.register_forward_pre_hook(lambda m, a, i=i: a_in.__setitem__(i, a[0]))
-        for i, l in enumerate(layers)
+        layer.input_layernorm.register_forward_pre_hook(lambda m, a, i=i: a_in.__setitem__(i, a[0]))
+        for i, layer in enumerate(layers)
     ]
     handles.append(model.model.norm.register_forward_pre_hook(lambda m, a: norm_in.__setitem__(0, a[0])))
     ref = model(ids)
@@ -112,7 +115,7 @@ def test_capture_prefix_mixed_and_final_norm_input(model):
     torch.testing.assert_close(mixed.aux_hidden_states[..., H : 2 * H], a_in[2], rtol=0, atol=0)
     torch.testing.assert_close(mixed.aux_hidden_states[..., 2 * H :], norm_in[0], rtol=0, atol=0)
     assert model.capture(ids, aux_layer_ids=[1, 3, 5]).logits is None
-    assert not model.model.norm._forward_pre_hooks and not any(l._forward_hooks for l in layers)
+    assert not model.model.norm._forward_pre_hooks and not any(layer._forward_hooks for layer in layers)
 
 
 def test_logits_to_keep_and_frozen(model):

@@ -1,0 +1,60 @@
+"""The per-batch K/V cache of the TTT unroll (`eagle3_training.md` §4.1).
+
+Each draft step appends the keys/values it computed for *all* slots; step k's queries then attend to the step-0 keys
+(causal block) plus one diagonal column per later step. The cache also owns the attention mask: it is bound on the
+first step and must stay the same for every later step (§4.3 forbids any per-step mask change — the historical
+"mask shrink" bug), so the mask is built once and a changed mask is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_eagle.ops.mla import causal_additive_mask
+
+
+class TTTCache:
+    """``keys[i]`` ``[B,n,T,d_qk]`` and ``values[i]`` ``[B,n,T,d_v]`` of step i; a fresh cache per batch."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.attention_mask: torch.Tensor | None = None  # [B,T] {0,1}, bound on the first step
+        self._bound = False
+        self._additive: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def bind_mask(self, attention_mask: torch.Tensor | None) -> None:
+        """Record the padding mask on the first step; later steps must pass the same mask (values, not a shrink)."""
+        if not self._bound:
+            self.attention_mask = attention_mask
+            self._bound = True
+            return
+        same = attention_mask is self.attention_mask or (
+            attention_mask is not None
+            and self.attention_mask is not None
+            and attention_mask.shape == self.attention_mask.shape
+            and torch.equal(attention_mask.to(torch.bool), self.attention_mask.to(torch.bool))
+        )
+        if not same:
+            raise ValueError(
+                "the TTT attention mask must stay constant across steps (eagle3_training.md §4.3); "
+                "a different mask was passed at step " + str(len(self.keys))
+            )
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> int:
+        """Add this step's K/V; returns the step index k (0 for the first call)."""
+        self.keys.append(key)
+        self.values.append(value)
+        return len(self.keys) - 1
+
+    def additive_mask(self, T: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``[B|1,1,T,T]`` additive causal ∧ key-not-pad mask (``finfo.min`` where disallowed), built once per dtype."""
+        key = (dtype, torch.device(device))
+        mask = self._additive.get(key)
+        if mask is None:
+            mask = causal_additive_mask(self.attention_mask, T, dtype=dtype, device=device)
+            self._additive[key] = mask
+        return mask

@@ -1,0 +1,225 @@
+"""Configuration of the K3 EAGLE-3 draft (`eagle3_training.md` §3).
+
+The draft's dimensions are explicit fields that default to the target's text config (the reference builds the draft
+from the target config). This is a plain dataclass, not a ``PretrainedConfig``: ``KimiK3TextConfig`` validates the
+*target's* rules and would reject a draft override before the draft could name its own problem, and parsing a draft
+``config.json`` must not need ``transformers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+NUM_AUX_HIDDEN_STATES = 3  # EAGLE-3 taps three target layers (fixed)
+DEFAULT_DRAFT_VOCAB_SIZE = 32000
+AUX_STREAMS = ("prefix", "mixed")
+
+# Fields a draft takes over from the target text config unless overridden.
+FIELDS_FROM_TARGET = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "mla_use_nope",
+    "mla_use_output_gate",
+    "intermediate_size",
+    "hidden_act",
+    "activation_situ_beta",
+    "activation_situ_linear_beta",
+    "rms_norm_eps",
+    "vocab_size",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+
+
+@dataclass
+class Eagle3DraftConfig:
+    """Everything needed to build, train and export one :class:`~lightning_eagle.draft.KimiK3Eagle3Draft`.
+
+    ``vocab_size`` is the *target* vocabulary V; ``draft_vocab_size`` is N_d (``None`` → V, the identity map).
+    ``aux_layer_ids`` / ``aux_hidden_state_stream`` record which target features the draft was trained on; they are
+    ``None`` for a draft imported from a reference export that does not say.
+    """
+
+    hidden_size: int = 7168
+    num_attention_heads: int = 96
+    num_key_value_heads: int | None = None
+    q_lora_rank: int | None = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_use_nope: bool = True
+    mla_use_output_gate: bool = True
+    intermediate_size: int = 33792
+    hidden_act: str = "situ"
+    activation_situ_beta: float | None = 4.0
+    activation_situ_linear_beta: float | None = 25.0
+    rms_norm_eps: float = 1e-5
+    vocab_size: int = 163840
+    draft_vocab_size: int | None = DEFAULT_DRAFT_VOCAB_SIZE
+    target_hidden_size: int | None = None
+    target_num_hidden_layers: int | None = None
+    fc_norm: bool = False
+    norm_output: bool = False
+    freeze_embeddings: bool = True
+    aux_layer_ids: list[int] | None = None
+    aux_hidden_state_stream: str | None = None
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    bos_token_id: int | None = 163584
+    eos_token_id: int | None = 163586
+    pad_token_id: int | None = 163839
+    num_aux_hidden_states: int = field(default=NUM_AUX_HIDDEN_STATES)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.draft_vocab_size is None or self.draft_vocab_size >= self.vocab_size:
+            self.draft_vocab_size = self.vocab_size  # identity map (§9): the buffers are still written
+        if self.aux_layer_ids is not None:
+            self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+        self.validate()
+
+    # ---- derived ----------------------------------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def has_vocab_compression(self) -> bool:
+        return self.draft_vocab_size < self.vocab_size
+
+    # ---- validation -------------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ``ValueError`` for a draft this library cannot build (§3.6 messages first)."""
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(
+                f"the K3 draft's MLA has one K/V head per query head (no GQA): num_key_value_heads "
+                f"({self.num_key_value_heads}) must equal num_attention_heads ({self.num_attention_heads})"
+            )
+        if not self.mla_use_nope:
+            raise ValueError(
+                "the K3 draft requires mla_use_nope=True: its MLA never rotates the rope slice, there is no rotary "
+                "module and position ids are ignored"
+            )
+        if self.hidden_act != "situ":
+            raise ValueError(f"the K3 draft's MLP is SiTU; hidden_act must be 'situ', got {self.hidden_act!r}")
+        for name in (
+            "hidden_size",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "draft_vocab_size",
+            "target_hidden_size",
+            "ttt_steps",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 0:
+            raise ValueError(f"qk_rope_head_dim must be a non-negative int, got {self.qk_rope_head_dim!r}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1):
+            raise ValueError(f"q_lora_rank must be a positive int or null, got {self.q_lora_rank!r}")
+        if self.num_aux_hidden_states != NUM_AUX_HIDDEN_STATES:
+            raise ValueError(
+                f"EAGLE-3 uses {NUM_AUX_HIDDEN_STATES} aux hidden states, got {self.num_aux_hidden_states}"
+            )
+        if not 0.0 < self.step_decay <= 1.0:
+            raise ValueError(f"step_decay must be in (0, 1], got {self.step_decay!r}")
+        if self.aux_hidden_state_stream is not None and self.aux_hidden_state_stream not in AUX_STREAMS:
+            raise ValueError(
+                f"aux_hidden_state_stream must be one of {AUX_STREAMS}, got {self.aux_hidden_state_stream!r}"
+            )
+        if self.aux_layer_ids is not None:
+            validate_aux_layer_ids(self.aux_layer_ids, self.target_num_hidden_layers)
+
+    # ---- construction -----------------------------------------------------------------------------------------------
+    @classmethod
+    def from_target_config(cls, target_config: Any, **overrides: Any) -> Eagle3DraftConfig:
+        """Derive a draft config from a K3 text config (or the outer ``kimi_k3`` config, or any object with the same
+        attribute names); ``overrides`` set draft fields explicitly.
+
+        Defaults: N_d = 32000 (identity map when V ≤ 32000), aux ids = the target's ``[1, L//2-1, L-4]`` (tiny targets
+        whose default ids collide must pass ``aux_layer_ids``), stream ``"prefix"``.
+        """
+        text = getattr(target_config, "text_config", None) or target_config
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown Eagle3DraftConfig fields: {sorted(unknown)}")
+        values: dict[str, Any] = {}
+        for name in FIELDS_FROM_TARGET:
+            value = getattr(text, name, None)
+            if value is not None:
+                values[name] = value
+        vocab = values.get("vocab_size")
+        if vocab is None:
+            raise ValueError("the target config has no vocab_size; cannot derive the draft vocabulary")
+        values["draft_vocab_size"] = DEFAULT_DRAFT_VOCAB_SIZE if vocab > DEFAULT_DRAFT_VOCAB_SIZE else None
+        values["target_hidden_size"] = getattr(text, "hidden_size", None)
+        num_layers = getattr(text, "num_hidden_layers", None)
+        values["target_num_hidden_layers"] = num_layers
+        if "aux_layer_ids" not in overrides and num_layers is not None:
+            default_ids = [1, num_layers // 2 - 1, num_layers - 4]
+            try:
+                validate_aux_layer_ids(default_ids, num_layers)
+            except ValueError as err:
+                raise ValueError(f"{err}; pass aux_layer_ids explicitly for this target") from None
+            values["aux_layer_ids"] = default_ids
+        values["aux_hidden_state_stream"] = "prefix"
+        if "num_attention_heads" in overrides and "num_key_value_heads" not in overrides:
+            values["num_key_value_heads"] = None  # MLA: K/V heads follow the (overridden) query heads
+        values.update(overrides)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], strict: bool = False) -> Eagle3DraftConfig:
+        """Build from :meth:`to_dict` output or a draft ``config.json`` (foreign keys ignored unless ``strict``)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if strict and unknown:
+            raise ValueError(f"unknown Eagle3DraftConfig fields: {sorted(unknown)}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def replace(self, **changes: Any) -> Eagle3DraftConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def validate_aux_layer_ids(ids: list[int], num_layers: int | None, warn_final: bool = False) -> None:
+    """Exactly 3 distinct ids in ``[0, L]`` (order preserved: it is ``fc``'s input order). ``L`` means the pre-norm
+    final state (`k3_target.md` §6.4); it has no portable engine meaning, so ``warn_final`` warns about it."""
+    ids = list(ids)
+    where = f"aux_layer_ids {ids}"
+    if len(ids) != NUM_AUX_HIDDEN_STATES:
+        raise ValueError(f"{where}: EAGLE-3 needs exactly {NUM_AUX_HIDDEN_STATES} ids (target L={num_layers})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{where}: ids must be distinct (target L={num_layers})")
+    if any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
+        raise ValueError(f"{where}: ids must be ints")
+    if num_layers is not None:
+        bad = [i for i in ids if not 0 <= i <= num_layers]
+        if bad:
+            raise ValueError(f"{where}: ids {bad} are outside [0, L={num_layers}]")
+        if warn_final and num_layers in ids:
+            warnings.warn(
+                f"{where} contain L={num_layers}: the model.norm tap (pre-norm final state) has no portable engine "
+                "meaning; make sure the serving engine taps the same state",
+                stacklevel=3,
+            )

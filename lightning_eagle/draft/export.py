@@ -1,0 +1,142 @@
+"""Write a draft in the serving layout (`eagle3_training.md` §14): ``config.json`` + ``model.safetensors``.
+
+Sources: a :class:`KimiK3Eagle3Draft`, anything with a ``.draft`` attribute (the Lightning module), a ``torch.save``'d
+checkpoint file (``{"state_dict": {"draft.…": …}, CHECKPOINT_CONFIG_KEY: config dict, …}``), or a DCP checkpoint
+folder (converted single-process with ``dcp_to_torch_save``, the way ``lightning_notes.md`` §7 verified). The write is
+atomic: everything goes to a temporary sibling folder that is renamed into place only after every check passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from lightning_eagle.draft import serving_format as fmt
+from lightning_eagle.draft.config import Eagle3DraftConfig, validate_aux_layer_ids
+from lightning_eagle.draft.model import KimiK3Eagle3Draft
+
+# Key under which a training checkpoint stores ``Eagle3DraftConfig.to_dict()`` (the module's on_save_checkpoint).
+CHECKPOINT_CONFIG_KEY = "eagle_draft_config"
+_STRIP = ("_orig_mod.", "module.")
+
+
+def export_draft(
+    source: Any,
+    out_dir: str | os.PathLike,
+    *,
+    config: Eagle3DraftConfig | None = None,
+    aux_layer_ids: list[int] | None = None,
+    aux_hidden_state_stream: str | None = None,
+    include_embeddings: bool | None = None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Export ``source`` to ``out_dir`` and return the folder.
+
+    ``include_embeddings=None`` writes ``embed_tokens.weight`` only when the embedding was trained
+    (``config.freeze_embeddings`` false): a frozen copy equals the target's, which engines share. ``aux_layer_ids`` /
+    ``aux_hidden_state_stream`` override the config's record (required when the config has none). ``dtype`` casts the
+    floating tensors (e.g. ``torch.bfloat16``); ``d2t``/``t2d`` keep int64/bool.
+    """
+    state, config = _resolve_source(source, config)
+    changes = {}
+    if aux_layer_ids is not None:
+        changes["aux_layer_ids"] = list(aux_layer_ids)
+    if aux_hidden_state_stream is not None:
+        changes["aux_hidden_state_stream"] = aux_hidden_state_stream
+    if changes:
+        config = config.replace(**changes)
+    if config.aux_layer_ids is not None:
+        validate_aux_layer_ids(config.aux_layer_ids, config.target_num_hidden_layers, warn_final=True)
+    if include_embeddings is None:
+        include_embeddings = not config.freeze_embeddings
+    if not include_embeddings:
+        state.pop("embed_tokens.weight", None)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    torch_dtype = fmt.check_state(state, config, include_embeddings)
+    config_json = fmt.config_to_json(config, torch_dtype)
+    # safetensors refuses shared / non-contiguous storage; a detached contiguous CPU copy of each tensor is safe.
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+    return _atomic_write(Path(out_dir), tensors, config_json, overwrite)
+
+
+def _atomic_write(out_dir: Path, tensors: dict[str, torch.Tensor], config_json: dict, overwrite: bool) -> Path:
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} exists; pass overwrite=True to replace it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        save_file(tensors, str(tmp / fmt.WEIGHTS_NAME), metadata={"format": "pt"})
+        with open(tmp / fmt.CONFIG_NAME, "w") as f:
+            json.dump(config_json, f, indent=2, sort_keys=True)
+            f.write("\n")
+        if out_dir.exists():  # overwrite: move the old folder aside first so a crash never leaves neither
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            os.replace(out_dir, old / out_dir.name)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+# ---- sources ---------------------------------------------------------------------------------------------------------
+def _resolve_source(source: Any, config: Eagle3DraftConfig | None) -> tuple[dict[str, torch.Tensor], Eagle3DraftConfig]:
+    draft = getattr(source, "draft", source)
+    if isinstance(draft, KimiK3Eagle3Draft):
+        return dict(draft.state_dict()), config or draft.config
+    if isinstance(source, dict):
+        return _from_checkpoint_dict(source, config)
+    path = Path(source)
+    if path.is_dir():
+        return _from_checkpoint_dict(_load_dcp(path), config)
+    if path.is_file():
+        return _from_checkpoint_dict(torch.load(path, map_location="cpu", weights_only=False), config)
+    raise FileNotFoundError(f"export source {source!r} is neither a draft module nor an existing checkpoint")
+
+
+def _load_dcp(folder: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "consolidated.pt"
+        dcp_to_torch_save(str(folder), str(target))
+        return torch.load(target, map_location="cpu", weights_only=False)
+
+
+def _from_checkpoint_dict(ckpt: dict, config: Eagle3DraftConfig | None) -> tuple[dict, Eagle3DraftConfig]:
+    if config is None:
+        data = ckpt.get(CHECKPOINT_CONFIG_KEY)
+        if data is None:
+            raise ValueError(
+                f"the checkpoint has no {CHECKPOINT_CONFIG_KEY!r} entry; "
+                "pass config=Eagle3DraftConfig(...) to export_draft"
+            )
+        config = Eagle3DraftConfig.from_dict(data)
+    state = ckpt.get("state_dict", ckpt)
+    return draft_state_from_trainer_state(state), config
+
+
+def draft_state_from_trainer_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Keep the ``draft.``-prefixed entries of a trainer state dict (dropping ``_orig_mod.`` / ``module.`` wrappers);
+    a state with no ``draft.`` keys is taken as a bare draft state dict."""
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    if any(k.startswith("draft.") for k in tensors):
+        tensors = {k[len("draft.") :]: v for k, v in tensors.items() if k.startswith("draft.")}
+    out = {}
+    for key, value in tensors.items():
+        for wrapper in _STRIP:
+            key = key.replace(wrapper, "")
+        out[key] = value
+    return out

@@ -1,0 +1,84 @@
+"""Import a K3 draft exported by NVIDIA-NeMo/Automodel (``KimiK3Eagle3DraftModel``; users migrate from it).
+
+Its layout: ``config.json`` = the *target* text config plus ``draft_vocab_size``, ``target_hidden_size``, ``fc_norm``,
+``norm_output`` (``architectures ["LlamaEagle3DraftModel"]``, ``num_hidden_layers`` = the target's); weights
+``model.embed_tokens.weight``, ``model.fc.weight``, ``model.fc_norm.{i}.weight``, ``model.layers.0.*``,
+``model.norm.weight``, ``lm_head.weight`` and — only with a compressed vocabulary — ``d2t`` / ``t2d``.
+
+Vocabulary order (decision, §9): the reference keeps its draft vocabulary in *frequency* order (``d2t`` may be
+negative; ``lm_head`` row i ↔ target id ``i + d2t[i]``), while this library keeps it ascending so that the ``d2t``
+order, the ``t2d`` boolean order and the teacher's column order agree. The import therefore sorts the draft
+vocabulary: ``lm_head`` rows and ``d2t`` are permuted together by ``argsort(i + d2t[i])``. Every target-id-space
+quantity (which target token each logit scores, losses, greedy tokens) is unchanged; only draft ids are renumbered.
+
+The reference config does not record which aux layers/stream the draft was trained on, so ``aux_layer_ids`` and
+``aux_hidden_state_stream`` are ``None`` on the imported config (re-export must supply them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_eagle.draft.config import FIELDS_FROM_TARGET, Eagle3DraftConfig
+
+_RENAMES = (("model.layers.0.", "midlayer."), ("model.", ""))
+
+
+def is_reference_layout(keys) -> bool:
+    return any(k.startswith("model.layers.0.") for k in keys)
+
+
+def config_from_reference(data: dict[str, Any]) -> Eagle3DraftConfig:
+    """Draft config from the reference's ``config.json`` (target text config + draft fields)."""
+    text = data.get("text_config") or data
+    values = {name: text[name] for name in FIELDS_FROM_TARGET if text.get(name) is not None}
+    values.update(
+        draft_vocab_size=text.get("draft_vocab_size"),
+        target_hidden_size=text.get("target_hidden_size") or text.get("hidden_size"),
+        target_num_hidden_layers=text.get("num_hidden_layers"),
+        fc_norm=bool(text.get("fc_norm", False)),
+        norm_output=bool(text.get("norm_output", False)),
+        aux_layer_ids=None,
+        aux_hidden_state_stream=None,
+    )
+    if "num_aux_hidden_states" in text:
+        values["num_aux_hidden_states"] = text["num_aux_hidden_states"]
+    return Eagle3DraftConfig(**values)
+
+
+def reference_vocab_permutation(d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """``perm`` such that ``selected[perm]`` is ascending, after checking the reference map is a valid one."""
+    selected = torch.arange(d2t.numel()) + d2t.to(torch.long)
+    if selected.numel() and (selected.min() < 0 or selected.max() >= t2d.numel()):
+        raise ValueError("reference d2t maps draft ids outside the target vocabulary")
+    perm = torch.argsort(selected, stable=True)
+    ascending = selected[perm]
+    if selected.numel() > 1 and not bool((ascending[1:] > ascending[:-1]).all()):
+        raise ValueError("reference d2t maps two draft ids to the same target id")
+    if not torch.equal(torch.nonzero(t2d).flatten(), ascending):
+        raise ValueError("reference d2t and t2d disagree: t2d must mark exactly the target ids arange + d2t")
+    return perm
+
+
+def convert_reference_state(state: dict[str, torch.Tensor], config: Eagle3DraftConfig) -> dict[str, torch.Tensor]:
+    """Rename to our layout and sort the draft vocabulary ascending (lm_head rows and d2t together)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        new = key
+        for old, repl in _RENAMES:
+            if new.startswith(old):
+                new = repl + new[len(old) :]
+                break
+        out[new] = value
+    if "d2t" not in out and "t2d" not in out and not config.has_vocab_compression:
+        # The reference writes the buffers only with a compressed vocabulary; ours are always present (§9).
+        out["d2t"] = torch.zeros(config.vocab_size, dtype=torch.long)
+        out["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
+    if "d2t" in out and "t2d" in out and "lm_head.weight" in out:
+        perm = reference_vocab_permutation(out["d2t"].cpu(), out["t2d"].cpu().to(torch.bool))
+        selected = torch.arange(perm.numel()) + out["d2t"].cpu().to(torch.long)
+        out["lm_head.weight"] = out["lm_head.weight"][perm.to(out["lm_head.weight"].device)]
+        out["d2t"] = (selected[perm] - torch.arange(perm.numel())).to(out["d2t"].device)
+    return out

@@ -1,0 +1,323 @@
+"""``ExpertParallelStrategy``: data-parallel draft training against a frozen K3 target whose routed experts are
+sharded over an ``expert_parallel`` mesh dimension (``k3_target.md`` §5, ``lightning_notes.md`` §2–§10).
+
+Layout: the world is a ``(data_parallel, expert_parallel)`` mesh, ``dp = world / ep``; the ranks of one EP group are
+consecutive (on GPUs: inside one node, where all-to-all is cheapest). Every rank
+
+* gets different tokens (the sampler shards over the whole world, not only over ``data_parallel``);
+* holds the replicated non-expert target weights plus its contiguous slice of routed experts, loaded by
+  :meth:`ExpertParallelStrategy.load_target` (only those expert bytes are read), with MoE layers exchanging tokens
+  through the EP dispatcher;
+* holds a full replica of the draft whose gradients are averaged over the world before every optimizer step
+  (:meth:`optimizer_step` wraps the closure; see :mod:`lightning_eagle.parallel.grad_sync`). A draft wrapped with
+  FSDP2 ``fully_shard`` in ``configure_model`` is the documented alternative: its DTensor gradients are skipped
+  here and its checkpoints take ModelParallelStrategy's path.
+
+Checkpoints hold what ``LightningModule.state_dict()`` returns — the module must leave the target out (a guard
+refuses state dicts that contain it). A replicated draft is saved as one file by rank 0 with plain
+``optimizer.state_dict()`` s, so it resumes on any world size.
+
+Refusals (one pure function, :func:`~lightning_eagle.parallel.validate.validate_layout`) fire in ``__init__``
+(static flags), in ``_configure_launcher`` (world size, precision; inside ``Trainer(...)``), before processes start
+(the module's target config, if it exposes ``target_path``) and in :meth:`load_target` — always before any target
+weight is read.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
+from lightning.pytorch.plugins.precision import HalfPrecision
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_eagle.parallel.dispatcher import build_dispatcher, check_dispatcher
+from lightning_eagle.parallel.grad_sync import all_reduce_gradients
+from lightning_eagle.parallel.launcher import ExpertParallelLauncher
+from lightning_eagle.parallel.memory import per_rank_memory_report
+from lightning_eagle.parallel.shard import enable_expert_parallel, expert_range
+from lightning_eagle.parallel.validate import validate_layout, validate_target_config
+
+START_METHODS = ("popen", "spawn", "fork")
+
+
+class ExpertParallelStrategy(ModelParallelStrategy):
+    """Expert-parallel frozen K3 target + data-parallel draft.
+
+    Args:
+        expert_parallel_size: ranks per expert-parallel group; must divide the world size and ``num_experts``.
+        target_dispatcher: ``"torch"`` (all-to-all over torch.distributed; gloo and NCCL), ``"deepep"`` or
+            ``"hybridep"`` (fail here unless usable — never replaced by torch).
+        tensor_parallel_size, context_parallel_size, pipeline_parallel_size, sequence_packing, target_backend,
+            p_eagle, target_force_hf: accepted only at their supported values (1 / False / ``"colocated"``) so that
+            a config asking for them fails loudly with the setting's name.
+        start_method: ``"popen"`` (default: re-run the script per rank, as for ``torchrun``-style launches),
+            ``"spawn"`` or ``"fork"`` (processes started by Lightning; CPU tests, notebooks).
+        save_distributed_checkpoint: only used for an FSDP2-sharded draft (one file per rank); a replicated draft
+            is always saved as one file.
+        process_group_backend, timeout: as for ``ModelParallelStrategy`` (backend: gloo on CPU, nccl on GPU).
+    """
+
+    def __init__(
+        self,
+        expert_parallel_size: int = 1,
+        target_dispatcher: str = "torch",
+        tensor_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        sequence_packing: bool = False,
+        target_backend: str = "colocated",
+        p_eagle: bool = False,
+        target_force_hf: bool = False,
+        start_method: str = "popen",
+        save_distributed_checkpoint: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        self._ep = expert_parallel_size
+        self._target_dispatcher = target_dispatcher
+        self._static_flags = dict(
+            tensor_parallel_size=tensor_parallel_size,
+            context_parallel_size=context_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            sequence_packing=sequence_packing,
+            target_backend=target_backend,
+            p_eagle=p_eagle,
+            target_force_hf=target_force_hf,
+        )
+        # World size and expert count are not known yet: `ep` stands in for both (it divides itself).
+        self._validate(world_size=expert_parallel_size, num_experts=expert_parallel_size)
+        check_dispatcher(target_dispatcher)
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method={start_method!r} is unknown; choose one of {START_METHODS}")
+        self._start_method = start_method
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._dispatcher = None
+
+    # ---- validation ---------------------------------------------------------------------------------------------
+    def _validate(self, world_size: int, num_experts: int | None = None, device_types=None) -> None:
+        validate_layout(
+            world_size=world_size,
+            num_experts=self._ep if num_experts is None else num_experts,
+            expert_parallel_size=self._ep,
+            target_dispatcher=self._target_dispatcher,
+            device_types=device_types,
+            **self._static_flags,
+        )
+
+    def _refuse_half_precision(self) -> None:
+        # HalfPrecision.convert_module casts the whole LightningModule — the frozen target's fp32 router bias,
+        # A_log, dt_bias, conv and o_norm weights included (lightning_notes §6).
+        plugin = self.precision_plugin
+        if isinstance(plugin, HalfPrecision):
+            raise ValueError(
+                f"precision={plugin.precision!r} is not supported with ExpertParallelStrategy: it would cast the "
+                "frozen K3 target's fp32 tensors (router bias, A_log, dt_bias, ...) to half precision; use "
+                "precision='32-true' (target and draft dtypes are managed by the module) or 'bf16-mixed'"
+            )
+
+    def validate_target(self, config_or_path: Any, aux_layer_ids=None):
+        """Gate a target (a checkpoint directory — only its ``config.json`` is read — or a config object) against
+        this layout: text ``model_type`` ``kimi_linear``, valid aux ids, ``num_experts % ep == 0``. Returns the
+        text config."""
+        config = config_or_path
+        if isinstance(config_or_path, (str, os.PathLike)):
+            from lightning_eagle.target.loader import read_config
+
+            config = read_config(Path(config_or_path))
+        validate_target_config(config, aux_layer_ids)
+        text = (
+            config.get("text_config") if isinstance(config, dict) else getattr(config, "text_config", None)
+        ) or config
+        num_experts = text.get("num_experts") if isinstance(text, dict) else getattr(text, "num_experts", None)
+        if not isinstance(num_experts, int):
+            raise ValueError(f"the target config has no integer num_experts (got {num_experts!r})")
+        self._validate(world_size=self.world_size, num_experts=num_experts)
+        return text
+
+    def validate_module(self, module: Any) -> None:
+        """Main-process check before any worker starts, if the module names its target (``target_path``)."""
+        path = getattr(module, "target_path", None)
+        if path is not None:
+            self.validate_target(path, getattr(module, "aux_layer_ids", None))
+
+    # ---- launch and process group -------------------------------------------------------------------------------
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        devices = self.parallel_devices or []
+        self._validate(world_size=self.num_nodes * self.num_processes, device_types=[d.type for d in devices] or None)
+        self._refuse_half_precision()
+        if self._start_method == "popen":
+            super()._configure_launcher()
+        else:
+            self._launcher = ExpertParallelLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._setup_distributed()
+        # Identical inputs on every rank → every rank fails the same way, before any collective can deadlock.
+        device_types: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(device_types, self.root_device.type)
+        self._validate(world_size=self.world_size, device_types=device_types)
+        ep = self._ep
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, (self.world_size // ep, ep), mesh_dim_names=("data_parallel", "expert_parallel")
+        )
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh  # `self.device_mesh` inside configure_model
+        if ep > 1:
+            self._dispatcher = build_dispatcher(self._target_dispatcher, self.expert_parallel_group)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # EP ranks are data-parallel for the draft: every rank needs different tokens (lightning_notes §9).
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # ---- the API LightningModule.configure_model uses -----------------------------------------------------------
+    @property
+    def expert_parallel_size(self) -> int:
+        return self._ep
+
+    @property
+    def ep_size(self) -> int:
+        return self.device_mesh["expert_parallel"].size()
+
+    @property
+    def ep_rank(self) -> int:
+        return self.device_mesh["expert_parallel"].get_local_rank()
+
+    @property
+    def expert_parallel_group(self) -> dist.ProcessGroup:
+        return self.device_mesh["expert_parallel"].get_group()
+
+    @property
+    def dispatcher(self):
+        """The EP dispatcher (``None`` when ``expert_parallel_size == 1``: MoE layers keep their local dispatch)."""
+        return self._dispatcher
+
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        """``(start, count)`` of the routed experts this rank loads (``from_pretrained(expert_range=...)``)."""
+        return expert_range(num_experts, self.ep_size, self.ep_rank)
+
+    def parallelize_target(self, target: nn.Module) -> nn.Module:
+        """Install the dispatcher on every MoE layer (after checking each holds this rank's slice) and print the
+        per-rank memory of the target (rank 0)."""
+        enable_expert_parallel(target, self._dispatcher, self.ep_size, self.ep_rank)
+        config = getattr(target, "config", None)
+        if config is not None:
+            dtype = next((p.dtype for p in target.parameters() if p.dtype not in (torch.float32,)), torch.float32)
+            rank_zero_info(str(per_rank_memory_report(config, self.ep_size, dtype)))
+        return target
+
+    def load_target(
+        self,
+        path: str | os.PathLike,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+        kda_backend: str = "auto",
+        aux_layer_ids=None,
+    ):
+        """Validate ``path``'s config against the layout, then load this rank's shard of the frozen target
+        (replicated non-expert weights + this rank's experts, read from disk and nothing else) and parallelize it.
+        """
+        from lightning_eagle.target.model import KimiK3ForCausalLM
+
+        config = self.validate_target(path, aux_layer_ids)
+        target = KimiK3ForCausalLM.from_pretrained(
+            path,
+            dtype=dtype,
+            device=self.root_device if device is None else device,
+            expert_range=self.expert_range(config.num_experts),
+            kda_backend=kda_backend,
+        )
+        return self.parallelize_target(target)
+
+    # ---- draft gradients ----------------------------------------------------------------------------------------
+    def reduce_gradients(self) -> int:
+        """Average the replicated trainable parameters' gradients over the world (DTensor ones are skipped)."""
+        assert self.lightning_module is not None
+        return all_reduce_gradients(self.lightning_module.parameters())
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        # The closure runs forward + backward; averaging right after it puts the sync after the last micro-batch of
+        # gradient accumulation and before `on_before_optimizer_step` and gradient clipping (which then see the
+        # averaged gradients). Manual optimization reaches here from `optimizer.step()` as well.
+        def closure_then_average():
+            result = closure()
+            self.reduce_gradients()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------------
+    def _draft_is_sharded(self) -> bool:
+        return self.model is not None and _has_dtensor_modules(self.model)
+
+    def _refuse_target_in_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from lightning_eagle.target.model import KimiK3ForCausalLM
+
+        module = self.lightning_module
+        prefixes = [f"{n}." for n, m in module.named_modules() if isinstance(m, KimiK3ForCausalLM)] if module else []
+        leaked = [k for k in state_dict if any(k.startswith(p) for p in prefixes)]
+        if leaked:
+            raise RuntimeError(
+                f"the LightningModule's state_dict() contains {len(leaked)} frozen-target tensor(s) (e.g. "
+                f"{leaked[0]!r}): checkpoints must hold only the draft — override state_dict() to drop the target "
+                "and set strict_loading=False (lightning_notes §7)"
+            )
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._draft_is_sharded():
+            state_dict = super().lightning_module_state_dict()
+        else:
+            state_dict = Strategy.lightning_module_state_dict(self)
+        self._refuse_target_in_state_dict(state_dict)
+        return state_dict
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if self._draft_is_sharded():
+            return super().optimizer_state(optimizer)
+        return Strategy.optimizer_state(self, optimizer)
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return not self._draft_is_sharded()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if self._draft_is_sharded():
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        return Strategy.save_checkpoint(self, checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        if self._draft_is_sharded():
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir():
+            raise ValueError(
+                f"{path} is a distributed (per-rank) checkpoint, written for an FSDP-sharded draft; this draft is "
+                "replicated — convert it with torch.distributed.checkpoint.format_utils.dcp_to_torch_save"
+            )
+        return Strategy.load_checkpoint(self, path, weights_only)
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        if not self._draft_is_sharded():
+            Strategy.load_model_state_dict(self, checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        if not self._draft_is_sharded():
+            Strategy.load_optimizer_state_dict(self, checkpoint)

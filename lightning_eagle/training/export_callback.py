@@ -1,0 +1,33 @@
+"""Write the serving export of the draft when training ends (the quickstart ends with an exported draft)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+
+from lightning_eagle.draft.export import export_draft
+
+
+class ExportDraftCallback(pl.Callback):
+    """At the end of ``fit``, export the best checkpoint's draft (by the ``ModelCheckpoint`` monitor, e.g.
+    ``val/tau_sim``) — or the current weights when there is none — to ``out_dir`` (atomic, overwrites)."""
+
+    def __init__(self, out_dir: str = "draft_export", use_best: bool = True, dtype: str | None = None) -> None:
+        self.out_dir, self.use_best, self.dtype = Path(out_dir), use_best, dtype
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module) -> None:
+        import torch
+
+        if not trainer.is_global_zero:
+            return
+        source = pl_module
+        best = getattr(trainer.checkpoint_callback, "best_model_path", "") if self.use_best else ""
+        if best and Path(best).is_file():
+            source = best
+        dtype = getattr(torch, self.dtype) if self.dtype else None
+        path = export_draft(source, self.out_dir, dtype=dtype, overwrite=True)
+        print(
+            f"exported the draft ({'best checkpoint ' + Path(best).name if source is not pl_module else 'final'}"
+            f" weights) to {path}"
+        )

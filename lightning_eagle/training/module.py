@@ -1,0 +1,339 @@
+"""``Eagle3Module``: the LightningModule that trains a K3 EAGLE-3 draft against a frozen, colocated K3 target.
+
+One step: a no-grad target capture (aux hidden states + post-norm final hidden, autocast off) → one-token shift →
+the TTT unroll with a chunked teacher (never ``[B,T,V]`` logits) → the weighted soft-CE loss. Only the draft (with
+its ``d2t``/``t2d`` map) and the training state are checkpointed; the target is reloaded from its checkpoint.
+
+Research hooks (override in a subclass; each is passed to :func:`~lightning_eagle.training.ttt_loss`):
+``compute_teacher``, ``draft_step``, ``step_loss``, ``step_weights``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
+from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY
+from lightning_eagle.parallel.validate import validate_layout, validate_target_config
+from lightning_eagle.target.config import text_config_from_dict
+from lightning_eagle.target.model import KimiK3ForCausalLM
+from lightning_eagle.training.loss import soft_cross_entropy
+from lightning_eagle.training.loss import step_weights as default_step_weights
+from lightning_eagle.training.metrics import TTTMetrics
+from lightning_eagle.training.schedule import warmup_cosine
+from lightning_eagle.training.shift import shift_left
+from lightning_eagle.training.teacher import Teacher
+from lightning_eagle.training.teacher import compute_teacher as default_compute_teacher
+from lightning_eagle.training.ttt import TTTOutput, ttt_loss
+
+log = logging.getLogger(__name__)
+
+QUICKSTART_TARGET = Path(__file__).resolve().parents[1] / "assets" / "k3-tiny-chat"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TARGET_FINGERPRINT_KEY = "eagle_target_fingerprint"
+
+
+def resolve_target_path(target: str) -> Path:
+    """``"quickstart"`` = the bundled tiny K3 that has learned the bundled corpus; anything else is a directory."""
+    path = QUICKSTART_TARGET if target == "quickstart" else Path(target).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target checkpoint {str(path)!r} has no config.json (expected a K3 checkpoint dir)")
+    return path
+
+
+class Eagle3Module(pl.LightningModule):
+    """Train a :class:`~lightning_eagle.draft.KimiK3Eagle3Draft` against a frozen K3 target.
+
+    Args:
+        target: K3 checkpoint directory (released layout) or ``"quickstart"``.
+        aux_layer_ids: the three 0-based target layers whose outputs feed ``fc``; None = ``[1, L//2-1, L-4]``.
+        aux_stream: ``"prefix"`` (default; what the reference and public K3 drafts use) or ``"mixed"``.
+        ttt_steps / step_decay: TTT unroll length K and step weight decay (loss = Σ decay^k L_k / Σ decay^k).
+        draft: overrides of draft config fields (e.g. ``{"intermediate_size": 4096, "fc_norm": true}``).
+        attention_backend: TTT attention (``"eager"`` naive twin, ``"flash_lse"`` efficient).
+        target_dtype / draft_dtype: the target keeps its fp32 islands whatever ``target_dtype`` is.
+        lr / weight_decay / warmup_ratio / min_lr_ratio: AdamW (betas 0.9/0.95) + warmup-cosine defaults;
+            ``optimizer`` / ``lr_scheduler`` callables replace them (LightningCLI ``OptimizerCallable``).
+        teacher_vocab_chunk / teacher_seq_chunk: chunking of the teacher's full-vocabulary argmax.
+        target_backend, tensor/context/pipeline_parallel_size, sequence_packing, p_eagle, target_force_hf:
+            refused layouts, checked here before any target weight is read.
+    """
+
+    def __init__(
+        self,
+        target: str = "quickstart",
+        aux_layer_ids: list[int] | None = None,
+        aux_stream: Literal["prefix", "mixed"] = "prefix",
+        ttt_steps: int = 7,
+        step_decay: float = 0.8,
+        draft: dict[str, Any] | None = None,
+        attention_backend: str = "eager",
+        target_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16",
+        draft_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        warmup_ratio: float = 0.05,
+        min_lr_ratio: float = 0.1,
+        optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        teacher_vocab_chunk: int = 16384,
+        teacher_seq_chunk: int = 2048,
+        target_backend: str = "colocated",
+        tensor_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        sequence_packing: bool = False,
+        p_eagle: bool = False,
+        target_force_hf: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        # Gates first: nothing below reads a weight. EP sizes are the strategy's business (validated there).
+        validate_layout(
+            world_size=None, num_experts=None, tensor_parallel_size=tensor_parallel_size,
+            context_parallel_size=context_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            sequence_packing=sequence_packing, target_backend=target_backend, p_eagle=p_eagle,
+            target_force_hf=target_force_hf,
+        )  # fmt: skip
+        self.target_path = resolve_target_path(target)
+        self.aux_layer_ids = aux_layer_ids
+        config_text = (self.target_path / "config.json").read_text()
+        self.target_fingerprint = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+        self.target_config = text_config_from_dict(json.loads(config_text), source=str(self.target_path))
+        validate_target_config(self.target_config, aux_layer_ids)
+        # Builds (and validates: GQA, NoPE, aux ids) the draft config without any weights.
+        self.draft_config = self._draft_config(draft_vocab_size=None)
+        self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
+        self.train_metrics = TTTMetrics(ttt_steps)  # created here, never under a meta-device context
+        self.val_metrics = TTTMetrics(ttt_steps)
+        self.target: KimiK3ForCausalLM | None = None
+        self.draft: KimiK3Eagle3Draft | None = None
+        self.strict_loading = False  # the checkpoint holds only the draft; `load_state_dict` checks it strictly
+
+    # ---- construction ---------------------------------------------------------------------------------------------
+    def _draft_config(self, draft_vocab_size: int | None) -> Eagle3DraftConfig:
+        hp = self.hparams
+        overrides = dict(hp.draft or {})
+        overrides.setdefault("ttt_steps", hp.ttt_steps)
+        overrides.setdefault("step_decay", hp.step_decay)
+        overrides["draft_vocab_size"] = draft_vocab_size
+        overrides["aux_hidden_state_stream"] = hp.aux_stream
+        if hp.aux_layer_ids is not None:
+            overrides["aux_layer_ids"] = list(hp.aux_layer_ids)
+        return Eagle3DraftConfig.from_target_config(self.target_config, **overrides)
+
+    def expert_range(self) -> tuple[int, int] | None:
+        """This rank's slice of routed experts (None = all); an expert-parallel strategy decides."""
+        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
+        fn = getattr(strategy, "expert_range", None)
+        return fn(self.target_config.num_experts) if callable(fn) else None
+
+    def configure_model(self) -> None:
+        if self.draft is not None:  # called once per stage (fit/validate/…): idempotent
+            return
+        device = self._root_device()
+        target = KimiK3ForCausalLM.from_pretrained(
+            self.target_path, dtype=_DTYPES[self.hparams.target_dtype], device=device,
+            expert_range=self.expert_range(),
+        )  # fmt: skip
+        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
+        if hasattr(strategy, "parallelize_target"):
+            strategy.parallelize_target(target)  # installs the expert-parallel dispatcher
+        self.target = target
+        mapping = self._vocab_mapping()
+        self.draft_config = self._draft_config(None if mapping is None else int(mapping.selected.numel()))
+        draft = KimiK3Eagle3Draft(self.draft_config, attention_backend=self.hparams.attention_backend)
+        draft.copy_embeddings_from(target.model.embed_tokens.weight)
+        if mapping is not None:
+            draft.set_vocab_mapping(mapping.selected)
+        self.draft = draft.to(device=device, dtype=_DTYPES[self.hparams.draft_dtype])
+
+    def _root_device(self) -> torch.device:
+        if self._trainer is not None:
+            return self._trainer.strategy.root_device
+        return torch.device("cpu")
+
+    def _vocab_mapping(self):
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        mapping = getattr(datamodule, "vocab_mapping", None)
+        if datamodule is not None:
+            vocab = getattr(datamodule, "vocab_size", None)
+            if vocab is not None and vocab != self.target_config.vocab_size:
+                raise ValueError(
+                    f"the data's tokenizer has {vocab} ids but the target's vocab_size is "
+                    f"{self.target_config.vocab_size}: tokenizer and target checkpoint do not belong together"
+                )
+        return mapping
+
+    def setup(self, stage: str) -> None:
+        precision = str(getattr(self.trainer, "precision", "32-true"))
+        if precision in ("bf16-true", "16-true"):
+            raise ValueError(
+                f"trainer precision {precision!r} would cast the whole module, destroying the target's fp32 "
+                "parameters and MXFP4 scales; use precision='32-true' with draft_dtype='bfloat16', or 'bf16-mixed'"
+            )
+
+    # ---- research hooks -------------------------------------------------------------------------------------------
+    def compute_teacher(self, draft, loss_mask, **sources) -> Teacher:
+        """Teacher distribution over the draft vocabulary (default: chunked from the target's final hidden)."""
+        return default_compute_teacher(
+            draft, loss_mask, vocab_chunk=self.hparams.teacher_vocab_chunk, seq_chunk=self.hparams.teacher_seq_chunk,
+            **sources,
+        )  # fmt: skip
+
+    def draft_step(self, draft, input_ids, hidden, attention_mask, cache) -> torch.Tensor:
+        """One TTT step of the draft (override e.g. for activation checkpointing)."""
+        return draft.layer(input_ids, hidden, attention_mask, cache)
+
+    def step_loss(self, logits, target_probs, position_mask) -> torch.Tensor:
+        """Per-step loss L_k (default: soft CE divided by the number of supervised positions)."""
+        return soft_cross_entropy(logits, target_probs, position_mask)
+
+    def step_weights(self, ttt_steps: int, decay: float) -> torch.Tensor:
+        """Unnormalised step weights (default ``decay**k``); the loss divides by their sum."""
+        return default_step_weights(ttt_steps, decay)
+
+    # ---- steps ----------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def capture(self, batch: dict[str, torch.Tensor]):
+        """The frozen target's forward: fp32 router/softmax islands stay fp32 (autocast disabled)."""
+        with torch.autocast(device_type=self.device.type, enabled=False):
+            return self.target.capture(
+                batch["input_ids"], batch["attention_mask"], aux_layer_ids=self.draft_config.aux_layer_ids,
+                aux_stream=self.hparams.aux_stream,
+            )  # fmt: skip
+
+    def shared_step(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
+        cap = self.capture(batch)
+        attention_mask = batch["attention_mask"]
+        return ttt_loss(
+            self.draft,
+            shift_left(batch["input_ids"]),
+            attention_mask,  # aux states and the attention mask are not shifted
+            shift_left(batch["loss_mask"]),
+            cap.aux_hidden_states,
+            final_hidden=shift_left(cap.final_hidden),
+            lm_head_weight=self.target.lm_head.weight,
+            teacher_fn=self.compute_teacher,
+            draft_step_fn=self.draft_step,
+            step_loss_fn=self.step_loss,
+            step_weights_fn=self.step_weights,
+        )
+
+    def _log_step(self, prefix: str, out: TTTOutput, batch_size: int, on_step: bool) -> None:
+        values = {f"{prefix}/ploss_{k}": v.detach() for k, v in enumerate(out.per_step_loss)}
+        self.log_dict(
+            values, on_step=on_step, on_epoch=not on_step, batch_size=batch_size, sync_dist=not on_step, prog_bar=False
+        )
+        self.log(
+            f"{prefix}/loss",
+            out.loss.detach(),
+            prog_bar=True,
+            on_step=on_step,
+            on_epoch=not on_step,
+            batch_size=batch_size,
+            sync_dist=not on_step,
+        )
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self.shared_step(batch)
+        self._log_step("train", out, batch["input_ids"].shape[0], on_step=True)
+        batch_tau = out.tau_sim
+        self.log("train/tau_sim_batch", batch_tau, prog_bar=True, on_step=True, on_epoch=False)
+        self.train_metrics.update(out)
+        return out.loss
+
+    def on_train_epoch_end(self) -> None:
+        self.log_dict({f"train/{k}": v for k, v in self.train_metrics.compute().items()}, sync_dist=False)
+        self.train_metrics.reset()
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        out = self.shared_step(batch)
+        self._log_step("val", out, batch["input_ids"].shape[0], on_step=False)
+        self.val_metrics.update(out)
+
+    def on_validation_epoch_end(self) -> None:
+        metrics = self.val_metrics.compute()  # counts are all-reduced before the division
+        tau = metrics.pop("tau_sim")
+        self.log_dict({f"val/{k}": v for k, v in metrics.items()}, sync_dist=False)
+        self.log("val/tau_sim", tau, prog_bar=True, sync_dist=False)
+        self.val_metrics.reset()
+
+    test_step = validation_step
+    on_test_epoch_end = on_validation_epoch_end
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        grads = [p.grad for p in self.draft.parameters() if p.grad is not None]
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
+
+    # ---- optimisation ---------------------------------------------------------------------------------------------
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """Only the draft's trainable parameters (the frozen embedding copy is excluded)."""
+        return [p for p in self.draft.parameters() if p.requires_grad]
+
+    def configure_optimizers(self):
+        params = self.trainable_parameters()
+        if self.optimizer_factory is not None:
+            optimizer = self.optimizer_factory(params)
+        else:
+            optimizer = torch.optim.AdamW(
+                params, lr=self.hparams.lr, betas=(0.9, 0.95), weight_decay=self.hparams.weight_decay
+            )
+        if self.scheduler_factory is not None:
+            scheduler = self.scheduler_factory(optimizer)
+        else:
+            total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
+            scheduler = warmup_cosine(optimizer, total, self.hparams.warmup_ratio, self.hparams.min_lr_ratio)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- checkpoints: the draft only --------------------------------------------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        state = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+        drop = (prefix + "target.", prefix + "train_metrics.", prefix + "val_metrics.")
+        for key in [k for k in state if k.startswith(drop)]:
+            del state[key]
+        return state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Strict on the draft (missing or unexpected draft keys raise); the target is never in a checkpoint."""
+        draft_state = {k[len("draft.") :]: v for k, v in state_dict.items() if k.startswith("draft.")}
+        foreign = [k for k in state_dict if not k.startswith(("draft.", "train_metrics.", "val_metrics."))]
+        if foreign:
+            raise KeyError(f"checkpoint holds keys that are not the draft's: {foreign[:5]}")
+        self._check_vocab_map(draft_state)
+        return self.draft.load_state_dict(draft_state, strict=True, assign=assign)
+
+    def _check_vocab_map(self, draft_state: dict[str, torch.Tensor]) -> None:
+        mapping = self._vocab_mapping()
+        if mapping is None or "d2t" not in draft_state:
+            return
+        saved = draft_state["d2t"].cpu()
+        if saved.shape != mapping.d2t.shape or not torch.equal(saved, mapping.d2t.cpu()):
+            raise ValueError(
+                "the checkpoint's draft vocabulary map (d2t) differs from the data module's: the draft's lm_head rows "
+                "would mean other tokens. Use the same data/tokenizer/draft_vocab_size, or start a fresh run"
+            )
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[CHECKPOINT_CONFIG_KEY] = self.draft_config.to_dict()
+        checkpoint[TARGET_FINGERPRINT_KEY] = self.target_fingerprint
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get(TARGET_FINGERPRINT_KEY)
+        if saved is not None and saved != self.target_fingerprint:
+            raise ValueError(
+                f"the checkpoint was trained against another target (config fingerprint {saved}, this target "
+                f"{self.target_fingerprint} at {self.target_path})"
+            )

@@ -1,0 +1,149 @@
+"""The TTT unroll and its loss (`eagle3_training.md` §1, §4, §6, §7).
+
+``ttt_loss`` takes the batch *after* the one-token shift (ids, loss mask and target outputs shifted; aux states and
+attention mask not) and runs K draft steps: the hidden state is recurrent and never shifted (slot t stays "the chain
+started at position t"), the K/V cache grows by one entry per step, the attention mask stays constant, and ids /
+teacher / position mask / loss gate move left by one per step.
+
+Shifting the teacher by k and zero-filling is the same as comparing slot t's step-k logits with teacher row t+k for
+t < T−k (the zero-filled tail is never supervised), so the teacher is sliced (a view) instead of copied per step.
+
+Research hooks — pass replacements to :func:`ttt_loss`:
+
+* ``teacher_fn(draft, loss_mask, *, target_logits, final_hidden, lm_head_weight, ...) -> Teacher``
+  (default :func:`~lightning_eagle.training.teacher.compute_teacher`), or a precomputed ``teacher=``;
+* ``draft_step_fn(draft, ids, hidden, attention_mask, cache) -> hidden`` (default :func:`draft_step`);
+* ``step_loss_fn(logits, target_probs, position_mask) -> scalar`` (default
+  :func:`~lightning_eagle.training.loss.soft_cross_entropy`);
+* ``step_weights_fn(ttt_steps, decay) -> [K]`` (default :func:`~lightning_eagle.training.loss.step_weights`); the loss
+  is ``Σ w_k L_k / Σ w_k``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lightning_eagle.draft.cache import TTTCache
+from lightning_eagle.training.loss import soft_cross_entropy, step_weights
+from lightning_eagle.training.shift import shift_left
+from lightning_eagle.training.teacher import Teacher, compute_teacher
+
+
+@dataclass
+class TTTOutput:
+    """Loss and per-step counts of one batch. Counts are int64 sums over the batch (reduce across ranks by sum)."""
+
+    loss: torch.Tensor  # scalar, differentiable
+    per_step_loss: torch.Tensor  # [K] L_k, differentiable
+    per_step_correct: torch.Tensor  # [K] Σ (argmax z_k == argmax p_k) & pos_k
+    per_step_valid: torch.Tensor  # [K] Σ pos_k (supervised positions)
+    step_prefix_hits: torch.Tensor  # [K] Σ AND_{j≤k} correct_j
+    step_valid: torch.Tensor  # [K] Σ AND_{j≤k} lm_j (loss gate without the vocab condition)
+    step_weights: torch.Tensor  # [K] unnormalised step weights
+    teacher: Teacher
+    draft_argmax: torch.Tensor | None = None  # [K,B,T] draft ids, with return_argmax=True
+
+    @property
+    def accuracy(self) -> torch.Tensor:
+        """Pooled accuracy over all steps (the reference's single number)."""
+        return self.per_step_correct.sum() / self.per_step_valid.sum().clamp_min(1)
+
+    @property
+    def per_step_accuracy(self) -> torch.Tensor:
+        return self.per_step_correct / self.per_step_valid.clamp_min(1)
+
+    @property
+    def tau_sim(self) -> torch.Tensor:
+        return tau_sim(self.step_prefix_hits, self.step_valid)
+
+
+def tau_sim(step_prefix_hits: torch.Tensor, step_valid: torch.Tensor) -> torch.Tensor:
+    """Simulated acceptance length ``1 + Σ_k hits_k / valid_k`` (a step with no valid slot contributes 0)."""
+    ratio = step_prefix_hits.double() / step_valid.double().clamp_min(1)
+    return (1 + ratio.sum()).float()
+
+
+def draft_step(draft, input_ids, hidden, attention_mask, cache: TTTCache) -> torch.Tensor:
+    """One draft step (appends to ``cache``); a module may replace it, e.g. to checkpoint activations."""
+    return draft.layer(input_ids, hidden, attention_mask, cache)
+
+
+def ttt_loss(
+    draft,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    loss_mask: torch.Tensor,
+    aux_hidden_states: torch.Tensor,
+    target_logits: torch.Tensor | None = None,
+    *,
+    ttt_steps: int | None = None,
+    step_decay: float | None = None,
+    final_hidden: torch.Tensor | None = None,
+    lm_head_weight: torch.Tensor | None = None,
+    teacher: Teacher | None = None,
+    teacher_fn: Callable[..., Teacher] = compute_teacher,
+    draft_step_fn: Callable[..., torch.Tensor] = draft_step,
+    step_loss_fn: Callable[..., torch.Tensor] = soft_cross_entropy,
+    step_weights_fn: Callable[..., torch.Tensor] = step_weights,
+    return_argmax: bool = False,
+) -> TTTOutput:
+    """Run the K-step TTT unroll on one post-shift batch and return the weighted loss and per-step counts.
+
+    Shapes: ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B,T]``; ``aux_hidden_states`` ``[B,T,3H_t]``; teacher
+    source: ``target_logits [B,T,V]``, or ``final_hidden [B,T,H_t]`` + ``lm_head_weight [V,H_t]`` (chunked, never
+    ``[B,T,V]``), or a precomputed ``teacher``. ``ttt_steps`` / ``step_decay`` default to the draft config's.
+    """
+    K = draft.config.ttt_steps if ttt_steps is None else ttt_steps
+    decay = draft.config.step_decay if step_decay is None else step_decay
+    if teacher is None:
+        teacher = teacher_fn(
+            draft, loss_mask, target_logits=target_logits, final_hidden=final_hidden, lm_head_weight=lm_head_weight
+        )
+    B, T = input_ids.shape
+    device = input_ids.device
+    weights = step_weights_fn(K, decay).to(device)
+    gate = loss_mask.to(torch.bool)
+    teacher_argmax = teacher.probs.argmax(dim=-1)  # [B,T] draft ids; computed once, sliced per step
+    hidden = draft.project(aux_hidden_states)
+    cache = TTTCache()
+    ids = input_ids
+    hits = torch.ones(B, T, dtype=torch.bool, device=device)  # AND_{j≤k} correct_j, per slot
+    chain = torch.ones(B, T, dtype=torch.bool, device=device)  # AND_{j≤k} lm_j, per slot
+    losses, correct, valid, prefix_hits, chain_valid, argmaxes = [], [], [], [], [], []
+    for k in range(K):
+        if k:
+            ids = shift_left(ids)
+        hidden = draft_step_fn(draft, ids, hidden, attention_mask, cache)
+        logits = draft.logits(hidden)
+        n = max(T - k, 0)  # slots whose step-k target exists; the zero-filled tail is never supervised
+        probs_k, pos_k, gate_k = teacher.probs[:, k:], teacher.pos[:, k:], gate[:, k:]
+        losses.append(step_loss_fn(logits[:, :n], probs_k, pos_k))
+        with torch.no_grad():
+            pred = logits.argmax(dim=-1)
+            hit = (pred[:, :n] == teacher_argmax[:, k:]) & pos_k
+            hits[:, :n] &= hit
+            hits[:, n:] = False
+            chain[:, :n] &= gate_k
+            chain[:, n:] = False
+            correct.append(hit.sum())
+            valid.append(pos_k.sum())
+            prefix_hits.append(hits.sum())
+            chain_valid.append(chain.sum())
+            if return_argmax:
+                argmaxes.append(pred)
+    per_step_loss = torch.stack(losses)
+    loss = (weights * per_step_loss).sum() / weights.sum()
+    return TTTOutput(
+        loss=loss,
+        per_step_loss=per_step_loss,
+        per_step_correct=torch.stack(correct),
+        per_step_valid=torch.stack(valid),
+        step_prefix_hits=torch.stack(prefix_hits),
+        step_valid=torch.stack(chain_valid),
+        step_weights=weights,
+        teacher=teacher,
+        draft_argmax=torch.stack(argmaxes) if return_argmax else None,
+    )

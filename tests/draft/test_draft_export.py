@@ -1,0 +1,231 @@
+"""Serving export (§14): exact key set, config fields, bit-exact round trip, refusals, atomic writes, sources."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_eagle.draft import KimiK3Eagle3Draft, TTTCache, export_draft
+from lightning_eagle.draft import export as export_module
+from lightning_eagle.draft import serving_format as fmt
+
+# Golden key/shape list for k3-tiny (N_d = 72), embedding omitted (frozen, the default).
+K3_TINY_EXPORT = {
+    "fc.weight": [128, 384],
+    "midlayer.input_layernorm.weight": [128],
+    "midlayer.hidden_norm.weight": [128],
+    "midlayer.post_attention_layernorm.weight": [128],
+    "midlayer.self_attn.q_a_proj.weight": [48, 256],
+    "midlayer.self_attn.q_a_layernorm.weight": [48],
+    "midlayer.self_attn.q_b_proj.weight": [96, 48],
+    "midlayer.self_attn.kv_a_proj_with_mqa.weight": [40, 256],
+    "midlayer.self_attn.kv_a_layernorm.weight": [32],
+    "midlayer.self_attn.kv_b_proj.weight": [144, 32],
+    "midlayer.self_attn.g_proj.weight": [80, 256],
+    "midlayer.self_attn.o_proj.weight": [128, 80],
+    "midlayer.mlp.gate_proj.weight": [192, 128],
+    "midlayer.mlp.up_proj.weight": [192, 128],
+    "midlayer.mlp.down_proj.weight": [128, 192],
+    "norm.weight": [128],
+    "lm_head.weight": [72, 128],
+    "d2t": [72],
+    "t2d": [256],
+}
+
+REQUIRED_CONFIG = [
+    "architectures", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "q_lora_rank",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope", "mla_use_output_gate",
+    "intermediate_size", "hidden_act", "activation_situ_beta", "activation_situ_linear_beta", "rms_norm_eps",
+    "vocab_size", "draft_vocab_size", "target_hidden_size", "tie_word_embeddings", "torch_dtype", "bos_token_id",
+    "eos_token_id", "pad_token_id", "fc_norm", "norm_output", "eagle_config", "aux_hidden_state_stream", "step_decay",
+    "ttt_steps", "model_type",
+]  # fmt: skip
+
+
+def logits_after(draft, batch, steps=3):
+    cache, h, ids = TTTCache(), draft.project(batch["aux_hidden_states"]), batch["input_ids"]
+    out = []
+    with torch.no_grad():
+        for k in range(steps):
+            if k:
+                ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1)
+            h = draft.layer(ids, h, batch["attention_mask"], cache)
+            out.append(draft.logits(h))
+    return out
+
+
+def test_key_set_shapes_and_config(make_draft, tmp_path):
+    draft = make_draft()
+    out = export_draft(draft, tmp_path / "export")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    state = load_file(str(out / "model.safetensors"))
+    assert {k: list(v.shape) for k, v in state.items()} == K3_TINY_EXPORT
+    assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
+    config = json.loads((out / "config.json").read_text())
+    assert not [k for k in REQUIRED_CONFIG if k not in config]
+    assert config["architectures"] == ["Eagle3KimiK3ForCausalLM"] and config["num_hidden_layers"] == 1
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 5], "use_aux_hidden_state": True}
+    assert config["aux_hidden_state_stream"] == "prefix" and config["hidden_act"] == "situ"
+    assert (config["vocab_size"], config["draft_vocab_size"], config["target_hidden_size"]) == (256, 72, 128)
+    assert config["torch_dtype"] == "float32" and config["tie_word_embeddings"] is False
+    assert "linear_attn_config" not in config
+
+
+def test_round_trip_is_bit_exact(make_draft, make_batch, tmp_path):
+    draft = make_draft()
+    target_embedding = draft.embed_tokens.weight.detach().clone()
+    batch = make_batch(draft.config)
+    out = export_draft(draft, tmp_path / "export")
+    loaded = KimiK3Eagle3Draft.from_pretrained(out, target_embedding=target_embedding)
+    assert loaded.config == draft.config
+    for key, value in draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    for a, b in zip(logits_after(draft, batch), logits_after(loaded, batch)):
+        assert torch.equal(a, b)
+    assert not loaded.embed_tokens.weight.requires_grad
+
+
+def test_trained_embeddings_travel_and_missing_ones_are_loud(make_draft, make_batch, tmp_path):
+    draft = make_draft(freeze_embeddings=False)
+    out = export_draft(draft, tmp_path / "trained")
+    assert "embed_tokens.weight" in load_file(str(out / "model.safetensors"))
+    loaded = KimiK3Eagle3Draft.from_pretrained(out)
+    assert torch.equal(loaded.embed_tokens.weight, draft.embed_tokens.weight)
+    assert loaded.embed_tokens.weight.requires_grad
+
+    frozen = export_draft(make_draft(), tmp_path / "frozen")
+    with pytest.warns(UserWarning, match="no embed_tokens.weight"):
+        blind = KimiK3Eagle3Draft.from_pretrained(frozen)
+    assert torch.isnan(logits_after(blind, make_batch(blind.config), 1)[0]).all()
+
+
+def test_bf16_export(make_draft, tmp_path):
+    draft = make_draft()
+    out = export_draft(draft, tmp_path / "bf16", dtype=torch.bfloat16)
+    state = load_file(str(out / "model.safetensors"))
+    assert state["fc.weight"].dtype == torch.bfloat16 and state["d2t"].dtype == torch.int64
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert torch.equal(state["fc.weight"], draft.fc.weight.detach().bfloat16())
+    loaded = KimiK3Eagle3Draft.from_pretrained(out, target_embedding=draft.embed_tokens.weight)
+    assert loaded.fc.weight.dtype == torch.bfloat16 and loaded.t2d.dtype == torch.bool
+
+
+def good_state(draft):
+    state = {k: v.clone() for k, v in draft.state_dict().items()}
+    state.pop("embed_tokens.weight")
+    return state
+
+
+@pytest.mark.parametrize(
+    "corrupt, fragment",
+    [
+        (lambda s: s.update({"draft.fc.weight": s.pop("fc.weight")}), "trainer prefixes"),
+        (lambda s: s.update({"_orig_mod.norm.weight": s.pop("norm.weight")}), "trainer prefixes"),
+        (lambda s: s.update({"midlayer.self_attn.rotary_emb.inv_freq": torch.ones(4)}), "unexpected"),
+        (lambda s: s.pop("midlayer.self_attn.g_proj.weight"), "missing"),
+        (lambda s: s.pop("d2t"), "missing"),
+        (lambda s: s.update({"lm_head.weight": torch.zeros(71, 128)}), "shape"),
+        (lambda s: s.update({"d2t": s["d2t"].int()}), "dtype"),
+        (lambda s: s.update({"t2d": s["t2d"].long()}), "dtype"),
+        (lambda s: s.update({"norm.weight": s["norm.weight"].double()}), "share one dtype"),
+        (lambda s: s["t2d"].__setitem__(torch.nonzero(s["t2d"])[0], False), "disagree"),
+    ],
+)
+def test_refuses_bad_states(make_draft, corrupt, fragment):
+    draft = make_draft()
+    state = good_state(draft)
+    fmt.check_state(state, draft.config, include_embeddings=False)
+    corrupt(state)
+    with pytest.raises(ValueError, match=fragment):
+        fmt.check_state(state, draft.config, include_embeddings=False)
+
+
+def test_refusal_leaves_nothing_behind(make_draft, tmp_path):
+    draft = make_draft()
+    state = {f"draft.{k}": v for k, v in draft.state_dict().items()}
+    state["draft.extra.weight"] = torch.ones(3)
+    ckpt = {"state_dict": state, export_module.CHECKPOINT_CONFIG_KEY: draft.config.to_dict()}
+    with pytest.raises(ValueError, match="unexpected"):
+        export_draft(ckpt, tmp_path / "bad")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_is_atomic(make_draft, tmp_path, monkeypatch):
+    draft = make_draft()
+
+    def crash(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export_module, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        export_draft(draft, tmp_path / "export")
+    assert list(tmp_path.iterdir()) == []  # neither the target folder nor a temporary one
+
+
+def test_overwrite(make_draft, tmp_path):
+    first, second = make_draft(seed=1), make_draft(seed=2)
+    out = export_draft(first, tmp_path / "export")
+    with pytest.raises(FileExistsError):
+        export_draft(second, out)
+    export_draft(second, out, overwrite=True)
+    assert torch.equal(load_file(str(out / "model.safetensors"))["fc.weight"], second.fc.weight.detach())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_sources_module_checkpoint_file_and_wrappers(make_draft, tmp_path):
+    draft = make_draft()
+    reference = load_file(str(export_draft(draft, tmp_path / "from_module") / "model.safetensors"))
+
+    class Module(torch.nn.Module):  # what the Lightning module looks like to the exporter
+        def __init__(self):
+            super().__init__()
+            self.draft = draft
+
+    from_attr = load_file(str(export_draft(Module(), tmp_path / "from_attr") / "model.safetensors"))
+    state = {f"draft._orig_mod.{k}": v for k, v in draft.state_dict().items()}
+    state["target.lm_head.weight"] = torch.ones(2)  # not the draft's: ignored
+    ckpt = {"state_dict": state, export_module.CHECKPOINT_CONFIG_KEY: draft.config.to_dict()}
+    torch.save(ckpt, tmp_path / "last.ckpt")
+    from_file = load_file(str(export_draft(tmp_path / "last.ckpt", tmp_path / "from_file") / "model.safetensors"))
+    for other in (from_attr, from_file):
+        assert other.keys() == reference.keys() and all(torch.equal(other[k], reference[k]) for k in reference)
+    with pytest.raises(ValueError, match="pass config="):
+        export_draft({"state_dict": state}, tmp_path / "no_config")
+
+
+def test_aux_ids_are_required_and_validated(make_draft, tmp_path):
+    draft = make_draft()
+    draft.config.aux_layer_ids = None
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        export_draft(draft, tmp_path / "a")
+    out = export_draft(draft, tmp_path / "b", aux_layer_ids=[2, 0, 4])
+    assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        2,
+        0,
+        4,
+    ]
+    with pytest.warns(UserWarning, match="L=6"):
+        export_draft(draft, tmp_path / "c", aux_layer_ids=[1, 3, 6])
+    with pytest.raises(ValueError, match="outside"):
+        export_draft(draft, tmp_path / "d", aux_layer_ids=[1, 3, 7])
+
+
+def test_source_dcp_folder(make_draft, tmp_path):
+    """A DCP checkpoint folder (the ModelParallelStrategy layout) is consolidated with dcp_to_torch_save."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    draft = make_draft()
+    state = {"state_dict": {f"draft.{k}": v for k, v in draft.state_dict().items()}, "optimizer_0": {"step": 3}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled … single process"
+        dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"))
+        out = export_draft(tmp_path / "ckpt", tmp_path / "export", config=draft.config)
+    exported = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(exported[k], v) for k, v in draft.state_dict().items() if k != "embed_tokens.weight")

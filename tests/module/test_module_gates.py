@@ -1,0 +1,52 @@
+"""Up-front refusals: every one fires in the module's constructor, before any target weight is read."""
+
+import json
+
+import pytest
+import safetensors
+from eagle_helpers import module_kwargs
+
+from lightning_eagle import Eagle3Module
+
+
+@pytest.fixture
+def no_weight_reads(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a target weight file was opened")
+
+    monkeypatch.setattr(safetensors, "safe_open", refuse)
+    monkeypatch.setattr("lightning_eagle.target.loader.safe_open", refuse)
+
+
+@pytest.mark.parametrize(
+    "overrides, exc, fragment",
+    [
+        ({"target_backend": "sglang"}, NotImplementedError, "requires target_model_backend='colocated'"),
+        ({"tensor_parallel_size": 2}, NotImplementedError, "neither context nor tensor parallelism"),
+        ({"context_parallel_size": 2}, ValueError, "context_parallel_size=2"),
+        ({"pipeline_parallel_size": 2}, NotImplementedError, "Pipeline parallelism"),
+        ({"sequence_packing": True}, NotImplementedError, "Sequence packing"),
+        ({"p_eagle": True}, NotImplementedError, "Parallel drafting"),
+        ({"target_force_hf": True}, ValueError, "target_force_hf"),
+        ({"aux_layer_ids": [1, 3, 3]}, ValueError, "distinct"),
+        ({"aux_layer_ids": None}, ValueError, "pass aux_layer_ids"),
+        ({"draft": {"num_key_value_heads": 2}}, ValueError, "one K/V head per query head"),
+        ({"draft": {"mla_use_nope": False}}, ValueError, "mla_use_nope"),
+    ],
+)
+def test_refusals_before_any_weight_is_read(target_dir, no_weight_reads, overrides, exc, fragment):
+    with pytest.raises(exc, match=fragment.replace("[", r"\[").replace("(", r"\(")):
+        Eagle3Module(**module_kwargs(target_dir, **overrides))
+
+
+def test_non_k3_target_is_refused(tmp_path, target_dir, no_weight_reads):
+    config = json.loads((target_dir / "config.json").read_text())
+    config["text_config"]["model_type"] = "deepseek_v3"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="kimi_linear"):
+        Eagle3Module(**module_kwargs(tmp_path))
+
+
+def test_missing_target_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        Eagle3Module(**module_kwargs(tmp_path / "nowhere"))

@@ -1,0 +1,235 @@
+"""ExpertParallelStrategy without worker processes: refusals (before any checkpoint file is opened), launcher choice,
+sampler, state-dict guard, gradient-averaging hook. The multi-process behaviour is in ``test_parallel_trainer.py``."""
+
+from __future__ import annotations
+
+import sys
+from unittest.mock import MagicMock
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torch import nn
+
+import lightning_eagle.target.loader as loader
+from lightning_eagle.parallel.launcher import ExpertParallelLauncher
+from lightning_eagle.parallel.strategy import ExpertParallelStrategy
+from lightning_eagle.target import KimiK3ForCausalLM, config_from_name
+
+
+@pytest.fixture
+def opened(monkeypatch):
+    """Every safetensors file the loader opens (the loader's only way to read tensor bytes)."""
+    calls: list[str] = []
+    original = loader.safe_open
+
+    def recording_safe_open(path, *args, **kwargs):
+        calls.append(str(path))
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "safe_open", recording_safe_open)
+    return calls
+
+
+def _trainer(strategy, devices=2, **kwargs):
+    return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, **kwargs)
+
+
+# ---- construction-time refusals ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tensor_parallel_size", "context_parallel_size", "pipeline_parallel_size"])
+def test_other_parallelisms_raise_value_error_naming_the_setting(name):
+    with pytest.raises(ValueError, match=name):
+        ExpertParallelStrategy(expert_parallel_size=2, **{name: 2})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "fragment"),
+    [
+        ({"sequence_packing": True}, NotImplementedError, "Sequence packing"),
+        ({"target_backend": "remote"}, NotImplementedError, "requires target_model_backend='colocated'"),
+        ({"p_eagle": True}, NotImplementedError, "Parallel drafting"),
+        ({"target_force_hf": True}, ValueError, "target_force_hf"),
+        ({"expert_parallel_size": 0}, ValueError, "expert_parallel_size must be a positive int"),
+        ({"target_dispatcher": "alltoall"}, ValueError, "target_dispatcher='alltoall' is unknown"),
+        ({"start_method": "forkserver"}, ValueError, "start_method='forkserver' is unknown"),
+    ],
+)
+def test_static_refusals_at_construction(kwargs, exc, fragment):
+    with pytest.raises(exc, match=fragment):
+        ExpertParallelStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["deepep", "hybridep"])
+def test_gpu_dispatcher_without_its_library_fails_at_construction(monkeypatch, name):
+    monkeypatch.setitem(sys.modules, "deep_ep", None)
+    with pytest.raises(ImportError, match="`deep_ep` package.*pip install"):
+        ExpertParallelStrategy(expert_parallel_size=2, target_dispatcher=name)
+
+
+def test_top_level_export():
+    from lightning_eagle import ExpertParallelStrategy as exported
+
+    assert exported is ExpertParallelStrategy
+
+
+# ---- Trainer(...)-time refusals: world layout and precision ---------------------------------------------------------
+
+
+def test_ep_must_divide_the_world_size(opened):
+    with pytest.raises(ValueError, match=r"expert_parallel_size \(2\) must divide the world size \(3\)"):
+        _trainer(ExpertParallelStrategy(expert_parallel_size=2, start_method="fork"), devices=3)
+    assert opened == []
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_half_precision_plugins_are_refused(precision, opened):
+    with pytest.raises(ValueError, match=f"precision='{precision}'.*precision='32-true'"):
+        _trainer(ExpertParallelStrategy(expert_parallel_size=2, start_method="fork"), precision=precision)
+    assert opened == []
+
+
+class NamesItsTarget(L.LightningModule):
+    """Exposes ``target_path`` so the strategy can gate the target config before any process starts."""
+
+    def __init__(self, target_path, aux_layer_ids=None):
+        super().__init__()
+        self.target_path = target_path
+        self.aux_layer_ids = aux_layer_ids
+        self.draft = nn.Linear(2, 2)
+
+    def configure_model(self):
+        raise AssertionError("no process may start for an invalid layout")
+
+
+@pytest.mark.parametrize(
+    ("aux_layer_ids", "ep", "devices", "fragment"),
+    [
+        (None, 3, 3, r"num_experts \(8\) is not divisible by expert_parallel_size \(3\)"),
+        ([1, 3, 9], 2, 2, r"aux_layer_ids \[1, 3, 9\] for a 8-layer target"),
+    ],
+)
+def test_target_gates_fire_in_the_main_process_before_any_weight_is_read(
+    golden_dir, opened, aux_layer_ids, ep, devices, fragment
+):
+    trainer = _trainer(ExpertParallelStrategy(expert_parallel_size=ep, start_method="fork"), devices=devices)
+    with pytest.raises(ValueError, match=fragment):
+        trainer.fit(NamesItsTarget(str(golden_dir / "target"), aux_layer_ids))
+    assert opened == []
+
+
+def test_non_k3_target_is_refused_before_any_weight_is_read(tmp_path, opened):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    (tmp_path / "model.safetensors").write_bytes(b"never read")
+    trainer = _trainer(ExpertParallelStrategy(expert_parallel_size=2, start_method="fork"))
+    with pytest.raises(ValueError, match="not a Kimi K3 model"):
+        trainer.fit(NamesItsTarget(str(tmp_path)))
+    assert opened == []
+
+
+def _fake_mesh(ep_size, ep_rank):
+    ep = MagicMock()
+    ep.size.return_value, ep.get_local_rank.return_value = ep_size, ep_rank
+    mesh = MagicMock()
+    mesh.__getitem__.side_effect = lambda name: {"expert_parallel": ep}[name]
+    return mesh
+
+
+def test_load_target_gates_the_config_before_reading_weights(golden_dir, opened):
+    trainer = _trainer(ExpertParallelStrategy(expert_parallel_size=3, start_method="fork"), devices=3)
+    strategy = trainer.strategy
+    strategy._device_mesh = _fake_mesh(3, 0)
+    with pytest.raises(ValueError, match=r"num_experts \(8\) is not divisible by expert_parallel_size \(3\)"):
+        strategy.load_target(golden_dir / "target", dtype=torch.float32)
+    assert opened == []
+
+
+def test_validate_target_accepts_config_objects_and_dicts():
+    strategy = _trainer(ExpertParallelStrategy(expert_parallel_size=4, start_method="fork"), devices=4).strategy
+    assert strategy.validate_target(config_from_name("k3-tiny")).num_experts == 8
+    outer = {"model_type": "kimi_k3", "text_config": {"model_type": "kimi_linear", "num_experts": 6}}
+    with pytest.raises(ValueError, match=r"num_experts \(6\) is not divisible by expert_parallel_size \(4\)"):
+        strategy.validate_target(outer)
+    with pytest.raises(ValueError, match="no integer num_experts"):
+        strategy.validate_target({"model_type": "kimi_linear"})
+
+
+def test_expert_range_follows_the_mesh():
+    trainer = _trainer(ExpertParallelStrategy(expert_parallel_size=4, start_method="fork"), devices=8)
+    trainer.strategy._device_mesh = _fake_mesh(4, 3)
+    assert trainer.strategy.expert_range(896) == (672, 224)
+
+
+def test_mesh_api_before_setup_is_an_error():
+    with pytest.raises(RuntimeError, match="device mesh before processes have initialized"):
+        ExpertParallelStrategy(expert_parallel_size=2).ep_rank
+
+
+# ---- launcher and sampler -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("start_method", "launcher"),
+    [("popen", _SubprocessScriptLauncher), ("fork", ExpertParallelLauncher), ("spawn", ExpertParallelLauncher)],
+)
+def test_launcher_choice(start_method, launcher):
+    trainer = _trainer(ExpertParallelStrategy(expert_parallel_size=2, start_method=start_method))
+    assert type(trainer.strategy.launcher) is launcher
+    if launcher is ExpertParallelLauncher:
+        assert trainer.strategy.launcher._start_method == start_method
+
+
+def test_sampler_shards_over_the_whole_world_not_only_data_parallel():
+    trainer = _trainer(ExpertParallelStrategy(expert_parallel_size=2, start_method="fork"), devices=4)
+    trainer.strategy.cluster_environment.set_global_rank(3)
+    # dp = 2, but EP ranks are data-parallel for the draft: 4 replicas
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 4, "rank": 3}
+
+
+# ---- checkpoints hold only the draft ---------------------------------------------------------------------------------
+
+
+class WithTarget(L.LightningModule):
+    def __init__(self, drop_target: bool):
+        super().__init__()
+        self.drop_target = drop_target
+        self.draft = nn.Linear(4, 4)
+        self.target = KimiK3ForCausalLM(config_from_name("k3-tiny-fast", num_hidden_layers=2)).freeze()
+
+    def state_dict(self, *args, **kwargs):
+        state = super().state_dict(*args, **kwargs)
+        return {k: v for k, v in state.items() if not (self.drop_target and k.startswith("target."))}
+
+
+def test_state_dict_with_the_target_is_refused():
+    strategy = ExpertParallelStrategy()
+    strategy.connect(WithTarget(drop_target=False))
+    with pytest.raises(RuntimeError, match="frozen-target tensor.*'target.model.embed_tokens.weight'"):
+        strategy.lightning_module_state_dict()
+
+
+def test_state_dict_is_the_modules_own():
+    strategy = ExpertParallelStrategy()
+    strategy.connect(WithTarget(drop_target=True))
+    assert sorted(strategy.lightning_module_state_dict()) == ["draft.bias", "draft.weight"]
+    assert strategy.lightning_restore_optimizer  # replicated draft: plain optimizer.state_dict() round trip
+
+
+# ---- gradient averaging hook ---------------------------------------------------------------------------------------
+
+
+def test_gradients_are_averaged_after_backward_and_before_the_step(monkeypatch):
+    strategy = ExpertParallelStrategy()
+    events: list[str] = []
+    monkeypatch.setattr(strategy, "reduce_gradients", lambda: events.append("average"))
+
+    def precision_step(optimizer, model, closure, **kwargs):  # Precision.optimizer_step: closure, hooks, step
+        closure()
+        events.append("clip+step")
+
+    strategy._precision_plugin = MagicMock(optimizer_step=precision_step)
+    model = NamesItsTarget("unused")
+    strategy.optimizer_step(MagicMock(), closure=lambda: events.append("forward+backward"), model=model)
+    assert events == ["forward+backward", "average", "clip+step"]
