@@ -42,9 +42,10 @@ def export_main(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "export":
-        return export_main(argv[1:])
+    words = sys.argv[1:] if argv is None else argv
+    if words and words[0] == "export":
+        return export_main(words[1:])
+    # args=None lets LightningCLI read sys.argv itself (passing both triggers its misuse warning)
     Eagle3CLI(Eagle3Module, ChatDataModule, args=argv, save_config_kwargs={"overwrite": True})
 
 

@@ -99,6 +99,7 @@ def save_k3_checkpoint(
         }
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint directory should be readable like any other
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
         keys = sorted(state)

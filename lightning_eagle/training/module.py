@@ -59,6 +59,7 @@ class Eagle3Module(pl.LightningModule):
         ttt_steps / step_decay: TTT unroll length K and step weight decay (loss = Σ decay^k L_k / Σ decay^k).
         draft: overrides of draft config fields (e.g. ``{"intermediate_size": 4096, "fc_norm": true}``).
         attention_backend: TTT attention (``"eager"`` naive twin, ``"flash_lse"`` efficient).
+        draft_init_seed: seeds the draft's random init (identical on every rank, independent of the global RNG).
         target_dtype / draft_dtype: the target keeps its fp32 islands whatever ``target_dtype`` is.
         lr / weight_decay / warmup_ratio / min_lr_ratio: AdamW (betas 0.9/0.95) + warmup-cosine defaults;
             ``optimizer`` / ``lr_scheduler`` callables replace them (LightningCLI ``OptimizerCallable``).
@@ -76,6 +77,7 @@ class Eagle3Module(pl.LightningModule):
         step_decay: float = 0.8,
         draft: dict[str, Any] | None = None,
         attention_backend: str = "eager",
+        draft_init_seed: int = 0,
         target_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16",
         draft_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         lr: float = 1e-4,
@@ -136,7 +138,9 @@ class Eagle3Module(pl.LightningModule):
         fn = getattr(strategy, "expert_range", None)
         return fn(self.target_config.num_experts) if callable(fn) else None
 
-    def configure_model(self) -> None:
+    def configure_model(self, vocab_mapping=None) -> None:
+        """Build the frozen target (this rank's expert slice) and the draft. Lightning calls it without arguments
+        and the vocabulary map comes from the trainer's data module; outside a trainer pass ``vocab_mapping``."""
         if self.draft is not None:  # called once per stage (fit/validate/…): idempotent
             return
         device = self._root_device()
@@ -148,9 +152,11 @@ class Eagle3Module(pl.LightningModule):
         if hasattr(strategy, "parallelize_target"):
             strategy.parallelize_target(target)  # installs the expert-parallel dispatcher
         self.target = target
-        mapping = self._vocab_mapping()
+        mapping = vocab_mapping if vocab_mapping is not None else self._vocab_mapping()
         self.draft_config = self._draft_config(None if mapping is None else int(mapping.selected.numel()))
-        draft = KimiK3Eagle3Draft(self.draft_config, attention_backend=self.hparams.attention_backend)
+        with torch.random.fork_rng(devices=[]):  # every rank (and every rerun) starts from the same draft
+            torch.manual_seed(self.hparams.draft_init_seed)
+            draft = KimiK3Eagle3Draft(self.draft_config, attention_backend=self.hparams.attention_backend)
         draft.copy_embeddings_from(target.model.embed_tokens.weight)
         if mapping is not None:
             draft.set_vocab_mapping(mapping.selected)
@@ -313,6 +319,15 @@ class Eagle3Module(pl.LightningModule):
         if foreign:
             raise KeyError(f"checkpoint holds keys that are not the draft's: {foreign[:5]}")
         self._check_vocab_map(draft_state)
+        if self.draft is None:  # configure_model never ran here (e.g. the fork/spawn launcher's main process)
+            self.draft_config = self._draft_config(int(draft_state["d2t"].numel()))
+            with torch.device("meta"):  # no random init: every tensor, vocab map included, comes from the state
+                draft = KimiK3Eagle3Draft(self.draft_config, attention_backend=self.hparams.attention_backend)
+            result = draft.load_state_dict(draft_state, strict=True, assign=True)
+            if self.draft_config.freeze_embeddings:
+                draft.freeze_embeddings()
+            self.draft = draft.to(dtype=_DTYPES[self.hparams.draft_dtype])
+            return result
         return self.draft.load_state_dict(draft_state, strict=True, assign=assign)
 
     def _check_vocab_map(self, draft_state: dict[str, torch.Tensor]) -> None:

@@ -105,8 +105,7 @@ def test_research_hooks_are_used(target_dir, tmp_path):
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     for m in (module, plain):
-        m.configure_model()
-        m.draft.set_vocab_mapping(data.vocab_mapping.selected)
+        m.configure_model(vocab_mapping=data.vocab_mapping)
     plain.draft.load_state_dict(module.draft.state_dict())
     out, ref = module.shared_step(batch), plain.shared_step(batch)
     assert calls == {"loss": 3, "weights": 1, "step": 3, "teacher": 1}

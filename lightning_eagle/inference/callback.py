@@ -1,0 +1,114 @@
+"""``AcceptanceCallback``: measure the real acceptance length during training and log ``val/tau_real``.
+
+At the end of a validation run (every ``every_n_epochs`` epochs, never during the sanity check) it runs greedy
+speculative decoding of the module's current draft against its frozen target on a few held-out prompts — by default
+the data module's validation rows, cut before an assistant turn — and logs ``val/tau_real`` next to training's
+``val/tau_sim``, plus ``val/accept_real_{k}`` (P(draft k+1 accepted | drafts 1..k accepted), 0-based like the
+per-step training metrics).
+
+Runs on global rank 0 only, except when the target's experts are sharded over ranks (expert parallelism): then every
+rank must take part in every target forward, so all ranks decode the same prompts and rank 0 logs.
+
+YAML::
+
+    trainer:
+      callbacks:
+        - class_path: lightning_eagle.inference.callback.AcceptanceCallback
+          init_args: {every_n_epochs: 1, num_prompts: 8, max_new_tokens: 32}
+"""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_eagle.inference.acceptance import evaluate_acceptance, prompts_from_datamodule, resolve_prompts
+
+log = logging.getLogger(__name__)
+
+
+class AcceptanceCallback(pl.Callback):
+    """Args:
+    every_n_epochs: run at the end of validation in epochs divisible by this (all validation runs of such an
+        epoch, e.g. with ``val_check_interval``).
+    num_prompts / max_new_tokens: prompts per run and tokens generated per prompt.
+    num_draft_tokens: K (default: the draft's ``ttt_steps``).
+    temperature: 0 = greedy (default; deterministic, comparable across runs).
+    prompts_file: a JSONL/JSON chat file to take prompts from instead of the validation rows (rendered with the
+        data module's tokenizer and render options when there is one).
+    compare_plain: also decode with the target alone and log ``val/speedup_real`` (doubles the cost).
+    """
+
+    def __init__(
+        self,
+        every_n_epochs: int = 1,
+        num_prompts: int = 8,
+        max_new_tokens: int = 32,
+        num_draft_tokens: int | None = None,
+        temperature: float = 0.0,
+        prompts_file: str | None = None,
+        compare_plain: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if every_n_epochs < 1 or num_prompts < 1 or max_new_tokens < 1:
+            raise ValueError("every_n_epochs, num_prompts and max_new_tokens must be >= 1")
+        self.every_n_epochs, self.num_prompts, self.max_new_tokens = every_n_epochs, num_prompts, max_new_tokens
+        self.num_draft_tokens, self.temperature, self.seed = num_draft_tokens, temperature, seed
+        self.prompts_file, self.compare_plain = prompts_file, compare_plain
+        self._prompts: list[list[int]] | None = None
+        self.last_report = None
+
+    def prompts(self, trainer: pl.Trainer) -> list[list[int]]:
+        if self._prompts is None:
+            datamodule = getattr(trainer, "datamodule", None)
+            if self.prompts_file is not None:
+                tokenizer = getattr(datamodule, "tokenizer", None)
+                options = dict(getattr(datamodule, "render_options", {"thinking": True, "thinking_effort": None}))
+                self._prompts = resolve_prompts(self.prompts_file, tokenizer, self.num_prompts, options)
+            elif datamodule is not None and hasattr(datamodule, "val_dataset"):
+                self._prompts = prompts_from_datamodule(datamodule, self.num_prompts)
+            else:
+                self._prompts = []
+            if not self._prompts:
+                log.warning("AcceptanceCallback: no held-out prompts (no validation rows / prompts_file); skipped")
+        return self._prompts
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.current_epoch % self.every_n_epochs:
+            return
+        target, draft = getattr(pl_module, "target", None), getattr(pl_module, "draft", None)
+        if target is None or draft is None:
+            return
+        expert_parallel = callable(getattr(pl_module, "expert_range", None)) and pl_module.expert_range() is not None
+        if trainer.global_rank != 0 and not expert_parallel:
+            return
+        prompts = self.prompts(trainer)
+        if not prompts:
+            return
+        draft_config = getattr(pl_module, "draft_config", None) or draft.config
+        with torch.autocast(device_type=target.lm_head.weight.device.type, enabled=False):
+            report = evaluate_acceptance(
+                target,
+                draft,
+                prompts,
+                num_prompts=self.num_prompts,
+                max_new_tokens=self.max_new_tokens,
+                num_draft_tokens=self.num_draft_tokens,
+                temperature=self.temperature,
+                seed=self.seed,
+                aux_layer_ids=draft_config.aux_layer_ids,
+                compare_plain=self.compare_plain,
+                warmup=False,
+            )
+        self.last_report = report
+        if trainer.global_rank != 0:
+            return
+        metrics = {"val/tau_real": report.tau}
+        # Step k's conditional acceptance (0-based like the training's per-step metrics); undefined ones are skipped.
+        rates = enumerate(report.acceptance_per_position)
+        metrics.update({f"val/accept_real_{k}": r for k, r in rates if r == r})
+        if self.compare_plain:
+            metrics["val/speedup_real"] = report.speedup
+        pl_module.log_dict(metrics, rank_zero_only=True, sync_dist=False)

@@ -1,0 +1,200 @@
+"""Draft inference: the EAGLE-3 draft proposes K tokens from the target's aux features of the accepted prefix.
+
+Alignment (`eagle3_training.md` §2): draft slot t combines ``embed(x_{t+1})`` with ``fc(a_t)`` (the target's aux
+features at position t) and proposes x_{t+2}. At inference the target has processed positions 0..n−1 and produced
+x_n, so the last slot is n−1 and its step-0 output proposes x_{n+1}; later proposals continue from the draft's own
+hidden state, exactly as TTT steps 1..K−1 do.
+
+Attention reproduces the TTT cache (`eagle3_training.md` §4.2): at step k the query of slot t sees the **step-0 keys
+of slots ≤ t** plus **this slot's own keys of steps 1..k**. Hence two caches:
+
+* the *context* cache — step-0 keys/values of every accepted slot; it only grows, one slot per accepted position
+  (:meth:`DraftRunner.extend`, run after each verification on the newly accepted positions);
+* the *chain* cache — keys/values of steps 1..k of the last slot, private to one :meth:`DraftRunner.propose` call and
+  discarded with it (that is the draft's whole rollback: chain entries never enter the context cache).
+
+The layer maths reuse the draft's own modules (``midlayer.combine``, ``self_attn.project``/``gate_output``, the MLP,
+``norm``, ``logits``); only the attention core is replaced by the two-cache form above.
+
+Extension point: any object with ``reset()``, ``extend(aux, next_ids)`` and ``propose(num_tokens, temperature,
+generator)`` returning a :class:`DraftProposal` can drive :func:`~lightning_eagle.inference.speculative_generate`
+(e.g. a tree drafter would return the best chain of its tree, or a future tree-verification loop would consume a
+richer proposal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from lightning_eagle.draft.block_attention import accumulate_dtype
+
+
+@dataclass
+class DraftProposal:
+    """One chain of proposals for a batch of one row.
+
+    ``tokens`` are *target* ids ``[K]`` (draft id + ``d2t[draft id]``); ``probs`` the draft's sampling distributions
+    ``[K, N_d]`` over the draft vocabulary (None at temperature 0); ``draft_ids`` ``[K]``; ``logits`` ``[K, N_d]``.
+    """
+
+    tokens: torch.Tensor
+    draft_ids: torch.Tensor
+    probs: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class Drafter(Protocol):
+    """What :func:`~lightning_eagle.inference.speculative_generate` needs from a drafter. ``selected_token_ids``
+    (target id of each draft-vocabulary row) is used at temperature > 0; ``aux_layer_ids`` /
+    ``aux_hidden_state_stream`` attributes (None allowed) say which target features ``extend`` expects."""
+
+    selected_token_ids: torch.Tensor
+
+    def reset(self) -> None: ...
+
+    def extend(self, aux_hidden_states: torch.Tensor, next_ids: torch.Tensor) -> None: ...
+
+    def propose(self, num_tokens: int, temperature: float, generator: torch.Generator | None) -> DraftProposal: ...
+
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def draft_layer_step(draft, input_ids: torch.Tensor, hidden: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """One draft step with a caller-supplied attention core ``attend(q, k, v) -> o [B,n,T,d_v]``.
+
+    Mirrors ``KimiK3Eagle3Draft.layer`` → ``KimiK3Eagle3Layer.forward`` op for op (the draft tests check it against
+    the training-time TTT unroll)."""
+    layer = draft.midlayer
+    attn = layer.self_attn
+    embeds = draft.embed(input_ids).to(hidden.dtype)
+    combined = layer.combine(embeds, hidden)
+    q, k, v = attn.project(combined)
+    o = attend(q, k, v)
+    B, n, T, d_v = o.shape
+    h = hidden + attn.gate_output(o.transpose(1, 2).reshape(B, T, n * d_v), combined)
+    h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return draft.norm(h) if draft.config.norm_output else h
+
+
+def _softmax_attend(q, keys, values, scale, mask=None) -> torch.Tensor:
+    """Scores in the input dtype, softmax in fp32 (as the TTT eager backend), probabilities back to q's dtype."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores.to(accumulate_dtype(scores.dtype)), dim=-1).to(q.dtype)
+    return torch.matmul(probs, values)
+
+
+class DraftRunner:
+    """Incremental inference for a :class:`~lightning_eagle.draft.KimiK3Eagle3Draft` (batch rows share a length)."""
+
+    def __init__(self, draft) -> None:
+        self.draft = draft
+        self.reset()
+
+    def reset(self) -> None:
+        self.keys: torch.Tensor | None = None  # [B,n,L,d_qk] step-0 keys of the accepted slots
+        self.values: torch.Tensor | None = None
+        self.last_hidden: torch.Tensor | None = None  # [B,1,H] step-0 output of the last slot
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def selected_token_ids(self) -> torch.Tensor:
+        return self.draft.selected_token_ids
+
+    @torch.no_grad()
+    def extend(self, aux_hidden_states: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """Add slots for newly accepted positions: ``aux_hidden_states [B,T,3H_t]`` of those positions and
+        ``next_ids [B,T]`` = the token that *followed* each of them (x_{t+1}). Returns their step-0 hidden states."""
+        if next_ids.dim() == 1:
+            next_ids = next_ids[None]
+        if aux_hidden_states.shape[:2] != next_ids.shape:
+            raise ValueError(
+                f"one next token per aux row: aux {tuple(aux_hidden_states.shape)} vs next_ids {tuple(next_ids.shape)}"
+            )
+        device = self.draft.fc.weight.device
+        hidden = self.draft.project(aux_hidden_states.to(device))
+        scale = self.draft.midlayer.self_attn.scale
+
+        def attend(q, k, v):
+            self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+            self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+            T, L = q.shape[2], self.keys.shape[2]
+            # Step-0 semantics: causal over the context slots (new slot i stands at L−T+i).
+            allowed = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - T, L, device=q.device)[:, None]
+            mask = torch.zeros(T, L, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
+            return _softmax_attend(q, self.keys, self.values, scale, mask)
+
+        h = draft_layer_step(self.draft, next_ids.to(device), hidden, attend)
+        self.last_hidden = h[:, -1:]
+        return h
+
+    @torch.no_grad()
+    def propose(
+        self,
+        num_tokens: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        forced_tokens: list[int] | None = None,
+    ) -> DraftProposal:
+        """Draft ``num_tokens`` tokens from the last slot: greedy at temperature 0, else sampled from
+        ``softmax(z / temperature)``. ``forced_tokens`` (tests) replaces the first picks by the given target ids, i.e.
+        runs the chain as if the drafts had been those tokens."""
+        if self.last_hidden is None:
+            raise RuntimeError("DraftRunner.propose before extend: the draft has no context")
+        draft = self.draft
+        scale = draft.midlayer.self_attn.scale
+        selected = draft.selected_token_ids
+        chain_k: list[torch.Tensor] = []
+        chain_v: list[torch.Tensor] = []
+
+        def attend(q, k, v):
+            # Step k ≥ 1 at the last slot: all context (step-0) keys are ≤ the slot, plus its own keys of steps 1..k.
+            # One softmax over both score blocks; the context keys are not copied (they can be long).
+            chain_k.append(k)
+            chain_v.append(v)
+            keys, values = torch.cat(chain_k, dim=2), torch.cat(chain_v, dim=2)
+            scores = torch.cat(
+                [torch.matmul(q, self.keys.transpose(-1, -2)), torch.matmul(q, keys.transpose(-1, -2))], -1
+            )
+            probs = torch.softmax((scores * scale).to(accumulate_dtype(scores.dtype)), dim=-1).to(q.dtype)
+            L = self.keys.shape[2]
+            return torch.matmul(probs[..., :L], self.values) + torch.matmul(probs[..., L:], values)
+
+        h = self.last_hidden
+        if h.shape[0] != 1:
+            raise ValueError(f"propose drafts one chain for one row; the context has batch {h.shape[0]}")
+        tokens, draft_ids, all_probs, all_logits = [], [], [], []
+        for j in range(num_tokens):
+            if j:
+                h = draft_layer_step(draft, tokens[-1].view(1, 1), h, attend)
+            logits = draft.logits(h)[0, -1].float()  # [N_d]
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                pick = torch.multinomial(probs, 1, generator=generator)[0]
+                all_probs.append(probs)
+            else:
+                pick = logits.argmax()
+            token = selected[pick]
+            if forced_tokens is not None and j < len(forced_tokens):
+                token = torch.tensor(forced_tokens[j], device=pick.device)
+            tokens.append(token)
+            draft_ids.append(pick)
+            all_logits.append(logits)
+        n_d, device = selected.numel(), selected.device
+        return DraftProposal(
+            tokens=torch.stack(tokens) if tokens else torch.zeros(0, dtype=torch.long, device=device),
+            draft_ids=torch.stack(draft_ids) if draft_ids else torch.zeros(0, dtype=torch.long, device=device),
+            probs=(torch.stack(all_probs) if all_probs else torch.zeros(0, n_d, device=device))
+            if temperature > 0
+            else None,
+            logits=torch.stack(all_logits) if all_logits else torch.zeros(0, n_d, device=device),
+        )

@@ -1,0 +1,55 @@
+"""Plain (target-only) autoregressive decoding with the incremental target: the baseline of speculative decoding.
+
+One target forward per token. At temperature 0 this is the greedy output that speculative decoding must reproduce
+token for token; its wall time is the denominator of the speed-up in the acceptance report.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from lightning_eagle.inference.incremental_target import IncrementalTarget
+from lightning_eagle.inference.sampling import pick_token
+from lightning_eagle.inference.speculative import as_prompt_tensor, make_generator
+
+
+@dataclass
+class PlainOutput:
+    tokens: list[int]  # new tokens only
+    target_forwards: int
+    seconds: float
+    stopped: bool = False
+
+
+@torch.no_grad()
+def plain_generate(
+    target,
+    prompt_ids,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    *,
+    stop_token_ids: Iterable[int] | None = None,
+) -> PlainOutput:
+    """Decode ``max_new_tokens`` tokens with the target alone (stop tokens end it, and are kept)."""
+    start = time.perf_counter()
+    session = IncrementalTarget(target)
+    prompt = as_prompt_tensor(prompt_ids, session.device)
+    gen = make_generator(seed, session.device)
+    stop = set(int(t) for t in (stop_token_ids or ()))
+    tokens: list[int] = []
+    forwards = 0
+    if max_new_tokens > 0:
+        step = session.prefill(prompt)
+        forwards = 1
+        while True:
+            tokens.append(pick_token(step.logits[0, -1], temperature, gen))
+            if len(tokens) >= max_new_tokens or tokens[-1] in stop:
+                break
+            step = session.extend(prompt.new_tensor([[tokens[-1]]]), return_logits="last", rollbackable=False)
+            forwards += 1
+    return PlainOutput(tokens, forwards, time.perf_counter() - start, stopped=bool(tokens) and tokens[-1] in stop)

@@ -1,0 +1,174 @@
+"""The speculative-decoding loop: chain drafting, one target forward verifies all K drafts, lossless acceptance.
+
+One round, with the target cache holding positions 0..n−1 and x_n already chosen by the target:
+
+1. the draft proposes d_1..d_K from its last slot (:class:`~lightning_eagle.inference.draft_runner.DraftRunner`);
+2. the target extends by ``[x_n, d_1..d_K]`` in **one** forward and returns K+1 logits rows and aux states;
+3. :func:`~lightning_eagle.inference.sampling.greedy_verify` (temperature 0) or
+   :func:`~lightning_eagle.inference.sampling.rejection_verify` (temperature > 0) accepts d_1..d_a and picks the
+   next token c from the target;
+4. the target cache rolls back to n+a+1 positions (x_n, d_1..d_a); the draft gains slots n..n+a with the new aux
+   features and next tokens ``[d_1..d_a, c]``; c becomes x_{n'}.
+
+``accepted_per_round`` records a per round (0..K); each round emits a+1 tokens, so τ = mean(a+1) is the number of
+tokens per target forward (the prefill forward, which yields the first token, is not a round). The last round may
+emit more than the ``max_new_tokens`` budget, and a stop token may end a round early: the *tokens* are cut, the
+verification outcome ``a`` is kept as measured.
+
+Tree drafting is an extension point: any :class:`~lightning_eagle.inference.draft_runner.Drafter` can be passed as
+``draft``; a tree verifier would replace steps 2–3 with a tree-masked target forward (``mla_extend`` takes the mask
+in one place) and a per-branch KDA state — not implemented.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from lightning_eagle.inference.aux_ids import check_draft_fits_target, resolve_inference_aux
+from lightning_eagle.inference.draft_runner import DraftRunner
+from lightning_eagle.inference.incremental_target import IncrementalTarget
+from lightning_eagle.inference.sampling import draft_probs_to_target, greedy_verify, pick_token, rejection_verify
+
+
+@dataclass
+class SpeculativeOutput:
+    tokens: list[int]  # new tokens only
+    accepted_per_round: list[int]  # accepted draft tokens per verification round (0..K)
+    num_draft_tokens: int
+    target_forwards: int = 0  # prefill + one per round
+    seconds: float = 0.0  # wall time of the whole call
+    target_seconds: float = 0.0  # time in target forwards (prefill, verification) and rollbacks
+    draft_seconds: float = 0.0  # time in draft extend/propose
+    stopped: bool = False  # ended on a stop token
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.accepted_per_round)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verification forward, ``mean(a + 1)`` (nan without a round)."""
+        if not self.accepted_per_round:
+            return float("nan")
+        return 1.0 + sum(self.accepted_per_round) / len(self.accepted_per_round)
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A generator on ``device``; ``seed=None`` draws its seed from the global torch RNG (so ``torch.manual_seed``
+    still makes runs repeatable)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(torch.randint(0, 2**62, ())) if seed is None else int(seed))
+    return gen
+
+
+def as_prompt_tensor(prompt_ids, device: torch.device) -> torch.Tensor:
+    """``list[int]`` / ``[T]`` / ``[1,T]`` → ``[1,T]`` long on ``device``."""
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(f"speculative decoding takes one prompt, got a batch of {ids.shape[0]}")
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"prompt_ids must be a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}")
+    return ids[None]
+
+
+def as_drafter(target, draft, aux_layer_ids: list[int] | None):
+    """``(drafter, aux_layer_ids, aux_stream)`` for a draft model or any object with the Drafter methods."""
+    if hasattr(draft, "midlayer") and hasattr(draft, "config"):
+        check_draft_fits_target(target, draft)
+        ids, stream = resolve_inference_aux(target, draft.config, aux_layer_ids)
+        return DraftRunner(draft), ids, stream
+    if all(hasattr(draft, name) for name in ("reset", "extend", "propose")):
+        ids, stream = resolve_inference_aux(target, draft, aux_layer_ids)
+        return draft, ids, stream
+    raise TypeError(f"draft must be a KimiK3Eagle3Draft or implement reset/extend/propose, got {type(draft).__name__}")
+
+
+def _cut(tokens: list[int], stop: set[int]) -> tuple[list[int], bool]:
+    for i, t in enumerate(tokens):
+        if t in stop:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+@torch.no_grad()
+def speculative_generate(
+    target,
+    draft,
+    prompt_ids,
+    max_new_tokens: int = 64,
+    num_draft_tokens: int = 7,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    aux_layer_ids: list[int] | None = None,
+    *,
+    stop_token_ids: Iterable[int] | None = None,
+) -> SpeculativeOutput:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with ``draft`` proposing ``num_draft_tokens``
+    per round and ``target`` verifying them. Lossless: greedy output at ``temperature=0``, the target's sampling
+    distribution at ``temperature > 0``.
+
+    ``aux_layer_ids=None`` uses the ids recorded in the draft's config, else the target's default, else raises
+    (:func:`~lightning_eagle.inference.aux_ids.resolve_inference_aux`). ``stop_token_ids`` end generation after the
+    first stop token emitted (kept in ``tokens``). Batch of one prompt.
+    """
+    if max_new_tokens < 0 or num_draft_tokens < 0:
+        raise ValueError("max_new_tokens and num_draft_tokens must be >= 0")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    start = time.perf_counter()
+    drafter, ids, stream = as_drafter(target, draft, aux_layer_ids)
+    session = IncrementalTarget(target, ids, stream)
+    device = session.device
+    prompt = as_prompt_tensor(prompt_ids, device)
+    gen = make_generator(seed, device)
+    stop = set(int(t) for t in (stop_token_ids or ()))
+    vocab = target.config.vocab_size
+    out = SpeculativeOutput(tokens=[], accepted_per_round=[], num_draft_tokens=num_draft_tokens)
+    if max_new_tokens == 0:
+        return out
+
+    t0 = time.perf_counter()
+    step = session.prefill(prompt)
+    token = pick_token(step.logits[0, -1], temperature, gen)
+    out.target_forwards, out.target_seconds = 1, time.perf_counter() - t0
+    out.tokens, out.stopped = _cut([token], stop)
+    if len(out.tokens) < max_new_tokens and not out.stopped:
+        t0 = time.perf_counter()
+        drafter.reset()
+        next_ids = torch.cat([prompt[0, 1:], prompt.new_tensor([token])])
+        drafter.extend(step.aux_hidden_states, next_ids[None])
+        out.draft_seconds += time.perf_counter() - t0
+
+    while len(out.tokens) < max_new_tokens and not out.stopped:
+        t0 = time.perf_counter()
+        proposal = drafter.propose(num_draft_tokens, temperature, gen)
+        drafted = proposal.tokens.to(device)
+        t1 = time.perf_counter()
+        length = session.length
+        step = session.extend(torch.cat([prompt.new_tensor([token]), drafted])[None])
+        logits = step.logits[0]
+        if temperature > 0:
+            q = draft_probs_to_target(proposal.probs.to(device), drafter.selected_token_ids, vocab)
+            accepted, token = rejection_verify(drafted, q, logits, temperature, gen)
+        else:
+            accepted, token = greedy_verify(drafted, logits)
+        session.rollback(length + accepted + 1)
+        t2 = time.perf_counter()
+        out.target_forwards += 1
+        out.accepted_per_round.append(accepted)
+        new = drafted[:accepted].tolist() + [token]
+        emitted, out.stopped = _cut(new, stop)
+        out.tokens += emitted[: max_new_tokens - len(out.tokens)]
+        if len(out.tokens) < max_new_tokens and not out.stopped:
+            drafter.extend(step.aux_hidden_states[:, : accepted + 1], torch.tensor([new], device=device))
+        t3 = time.perf_counter()
+        out.draft_seconds += (t1 - t0) + (t3 - t2)
+        out.target_seconds += t2 - t1
+    out.seconds = time.perf_counter() - start
+    return out

@@ -1,0 +1,129 @@
+"""The acceptance report over held-out chats, its CLI entry point and the Lightning callback that logs val/tau_real."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from inference_helpers import make_draft, make_target
+
+from lightning_eagle.data import synthetic_k3_tokenizer
+from lightning_eagle.inference import evaluate_acceptance
+from lightning_eagle.inference.acceptance import prompts_from_chats, prompts_from_token_rows
+
+SYNTHETIC = {"vocab_size": 512, "bos_token_id": 256, "eos_token_id": 258, "pad_token_id": 511}
+CHATS = [
+    {"messages": [{"role": "user", "content": "Count to 4."}, {"role": "assistant", "content": "1, 2, 3, 4."}]},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "reasoning_content": "greet", "content": "Hello."},
+            {"role": "user", "content": "Sky?"},
+            {"role": "assistant", "content": "Blue."},
+        ]
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chats") / "held_out.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in CHATS))
+    return path
+
+
+def test_prompts_end_at_each_assistant_turn():
+    tok = synthetic_k3_tokenizer()
+    prompts = prompts_from_chats(CHATS, tok, thinking=True, thinking_effort=None)
+    assert len(prompts) == 3
+    texts = [tok.decode(p) for p in prompts]
+    assert all(t.endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>') for t in texts)
+    assert "Hello." in texts[2] and "Sky?" in texts[2] and "Blue." not in texts[2]
+    assert prompts_from_token_rows([([7, 8, 9, 10, 11, 12], [0, 0, 1, 1, 0, 1])]) == [[7, 8], [7, 8, 9, 10, 11]]
+
+
+def test_report_over_chat_file(chat_file):
+    target = make_target(seed=21, **SYNTHETIC)
+    draft = make_draft(target, draft_vocab_size=320, seed=3)
+    report = evaluate_acceptance(target, draft, str(chat_file), num_prompts=3, max_new_tokens=8, num_draft_tokens=3)
+    assert report.num_prompts == 3 and report.num_draft_tokens == 3
+    assert report.greedy_mismatches == 0  # losslessness checked inside the report at temperature 0
+    assert report.spec_tokens == report.plain_tokens and report.plain_target_forwards == report.plain_tokens
+    assert report.tau == pytest.approx(1 + sum(report.accepted_per_round) / report.num_rounds)
+    assert report.spec_target_forwards == report.num_prompts + report.num_rounds
+    assert report.tau == pytest.approx(1 + sum(report.acceptance_at_least))  # every round drafted K
+    assert report.spec_tokens_per_s > 0 and report.plain_tokens_per_s > 0 and report.speedup > 0
+    text = report.format()
+    assert "tau_real" in text and "greedy mismatches vs plain decoding    0" in text
+    as_dict = report.to_dict()
+    assert as_dict["tau"] == report.tau and len(as_dict["acceptance_per_position"]) == 3
+
+
+def test_token_prompts_sampling_and_vocab_check():
+    target = make_target(seed=22, **SYNTHETIC)
+    draft = make_draft(target, draft_vocab_size=320, seed=4)
+    prompts = [torch.tensor([256, 259, 40, 41]), [256, 259, 50]]
+    report = evaluate_acceptance(
+        target, draft, prompts, max_new_tokens=6, num_draft_tokens=2, temperature=0.8, compare_plain=False
+    )
+    assert report.num_prompts == 2 and report.greedy_mismatches is None and report.plain_tokens is None
+    assert 2 <= report.spec_tokens <= 12
+    with pytest.raises(ValueError, match="vocab_size"):
+        evaluate_acceptance(target, draft, [[1, 2, 600]], max_new_tokens=2)
+
+
+def test_cli_entry_point(tmp_path, chat_file, capsys):
+    from lightning_eagle.draft.export import export_draft
+    from lightning_eagle.inference.__main__ import main
+    from lightning_eagle.target.writer import save_k3_checkpoint
+
+    target = make_target(seed=23, **SYNTHETIC)
+    target_dir = save_k3_checkpoint(target, tmp_path / "target", mxfp4=False)
+    draft_dir = export_draft(make_draft(target, draft_vocab_size=320, seed=5), tmp_path / "draft")  # no embedding
+    out_json = tmp_path / "report.json"
+    main(
+        [
+            "--target", str(target_dir), "--draft", str(draft_dir), "--data", str(chat_file),
+            "--num-prompts", "2", "--max-new-tokens", "5", "--num-draft-tokens", "2", "--json", str(out_json),
+        ]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "tau_real" in printed
+    saved = json.loads(out_json.read_text())
+    assert saved["num_prompts"] == 2 and saved["greedy_mismatches"] == 0
+
+
+def test_callback_logs_tau_real_during_validation(tmp_path, chat_file):
+    import lightning.pytorch as pl
+
+    from lightning_eagle.data.datamodule import ChatDataModule
+    from lightning_eagle.inference.callback import AcceptanceCallback
+    from lightning_eagle.target.writer import save_k3_checkpoint
+    from lightning_eagle.training.module import Eagle3Module
+
+    target_dir = save_k3_checkpoint(make_target(seed=24, **SYNTHETIC), tmp_path / "target", mxfp4=False)
+    rows = CHATS * 4  # 8 rows, 2 held out
+    data_file = tmp_path / "chats.jsonl"
+    data_file.write_text("".join(json.dumps(c) + "\n" for c in rows))
+    data = ChatDataModule(
+        train_files=str(data_file), max_length=160, batch_size=2, val_fraction=0.25, thinking_effort=None,
+        draft_vocab_size=320, use_cache=False,
+    )  # fmt: skip
+    module = Eagle3Module(
+        target=str(target_dir), aux_layer_ids=[1, 3, 5], target_dtype="float32", ttt_steps=2,
+        draft={"intermediate_size": 64},
+    )  # fmt: skip
+    callback = AcceptanceCallback(num_prompts=2, max_new_tokens=5)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), limit_val_batches=1, callbacks=[callback],
+    )  # fmt: skip
+    trainer.validate(module, datamodule=data)
+    report = callback.last_report
+    assert report is not None and report.num_prompts == 2 and report.num_draft_tokens == 2
+    assert trainer.callback_metrics["val/tau_real"].item() == pytest.approx(report.tau)
+    assert "val/tau_sim" in trainer.callback_metrics
+    tok = synthetic_k3_tokenizer()
+    assert all(tok.decode(p).endswith("<|open|>think<|sep|>") for p in callback.prompts(trainer))
