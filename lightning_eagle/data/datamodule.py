@@ -342,6 +342,12 @@ class ChatDataModule(pl.LightningDataModule):
             num_workers=self.loader_workers,
         )
 
+    def test_dataloader(self) -> DataLoader | list:
+        """``test`` and ``predict`` run on the held-out split (``val_files`` or the ``val_fraction`` rows)."""
+        return self.val_dataloader()
+
+    predict_dataloader = test_dataloader
+
     # ------------------------------------------------------------------------------------------- resume
 
     def state_dict(self) -> dict[str, Any]:

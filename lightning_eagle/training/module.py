@@ -217,7 +217,7 @@ class Eagle3Module(pl.LightningModule):
                 aux_stream=self.hparams.aux_stream,
             )  # fmt: skip
 
-    def shared_step(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
+    def shared_step(self, batch: dict[str, torch.Tensor], return_argmax: bool = False) -> TTTOutput:
         cap = self.capture(batch)
         attention_mask = batch["attention_mask"]
         return ttt_loss(
@@ -232,6 +232,7 @@ class Eagle3Module(pl.LightningModule):
             draft_step_fn=self.draft_step,
             step_loss_fn=self.step_loss,
             step_weights_fn=self.step_weights,
+            return_argmax=return_argmax,
         )
 
     def _log_step(self, prefix: str, out: TTTOutput, batch_size: int, on_step: bool) -> None:
@@ -262,19 +263,40 @@ class Eagle3Module(pl.LightningModule):
         self.train_metrics.reset()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        out = self.shared_step(batch)
-        self._log_step("val", out, batch["input_ids"].shape[0], on_step=False)
-        self.val_metrics.update(out)
+        self._evaluation_step("val", batch)
 
     def on_validation_epoch_end(self) -> None:
+        self._log_evaluation_metrics("val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._evaluation_step("test", batch)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_evaluation_metrics("test")
+
+    def _evaluation_step(self, prefix: str, batch: dict[str, torch.Tensor]) -> None:
+        out = self.shared_step(batch)
+        self._log_step(prefix, out, batch["input_ids"].shape[0], on_step=False)
+        self.val_metrics.update(out)
+
+    def _log_evaluation_metrics(self, prefix: str) -> None:
         metrics = self.val_metrics.compute()  # counts are all-reduced before the division
         tau = metrics.pop("tau_sim")
-        self.log_dict({f"val/{k}": v for k, v in metrics.items()}, sync_dist=False)
-        self.log("val/tau_sim", tau, prog_bar=True, sync_dist=False)
+        self.log_dict({f"{prefix}/{k}": v for k, v in metrics.items()}, sync_dist=False)
+        self.log(f"{prefix}/tau_sim", tau, prog_bar=True, sync_dist=False)
         self.val_metrics.reset()
 
-    test_step = validation_step
-    on_test_epoch_end = on_validation_epoch_end
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        """The draft's TTT proposals for a batch: ``draft_tokens [K,B,T]`` (target ids; slot t at step k proposes
+        the token after ``input_ids[t+k+1]``), the target's greedy tokens ``target_tokens [B,T]`` (same alignment
+        as step 0) and the per-step counts behind ``tau_sim``."""
+        out = self.shared_step(batch, return_argmax=True)
+        return {
+            "draft_tokens": self.draft.selected_token_ids[out.draft_argmax],
+            "target_tokens": out.teacher.top,
+            "per_step_accuracy": out.per_step_accuracy,
+            "tau_sim": out.tau_sim,
+        }
 
     def on_before_optimizer_step(self, optimizer) -> None:
         grads = [p.grad for p in self.draft.parameters() if p.grad is not None]

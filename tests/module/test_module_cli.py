@@ -53,6 +53,8 @@ def test_fit_validate_and_export(target_dir, tmp_path):
     ckpt = ckpt_dir / "last.ckpt"
     assert ckpt.is_file()
     main(_args("validate", target_dir, tmp_path, "--trainer.limit_val_batches", "1", "--ckpt_path", str(ckpt)))
+    main(_args("test", target_dir, tmp_path, "--trainer.limit_test_batches", "1", "--ckpt_path", str(ckpt)))
+    main(_args("predict", target_dir, tmp_path, "--trainer.limit_predict_batches", "1", "--ckpt_path", str(ckpt)))
     out = tmp_path / "export"
     main(["export", str(ckpt), str(out)])
     draft = KimiK3Eagle3Draft.from_pretrained(out, target_embedding=torch.zeros(512, 128))
