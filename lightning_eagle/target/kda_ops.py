@@ -18,12 +18,23 @@ import torch
 
 
 def naive_recurrent_kda(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """One step per token. The reference for every other KDA path (slow: T sequential steps)."""
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    return_final_state: bool = False,
+):
+    """One step per token. The reference for every other KDA path (slow: T sequential steps).
+
+    ``initial_state [B,H,K,V]`` continues a sequence (incremental decoding); ``return_final_state`` also returns
+    ``S_T``.
+    """
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     B, T, H, K = q.shape
-    S = q.new_zeros(B, H, K, v.shape[-1])
+    S = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state.float().clone()
     out = []
     for t in range(T):
         S = S * flushed_exp(g[:, t])[..., None]
@@ -31,7 +42,8 @@ def naive_recurrent_kda(
         predicted = torch.einsum("bhkv,bhk->bhv", S, k_t)
         S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k_t, v[:, t] - predicted)
         out.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t] * scale))
-    return torch.stack(out, dim=1)
+    o = torch.stack(out, dim=1) if out else q.new_zeros(B, 0, H, v.shape[-1])
+    return (o, S) if return_final_state else o
 
 
 def safe_chunk_size(gate_lower_bound: float, max_chunk: int = 64) -> int:
@@ -54,14 +66,17 @@ def chunk_kda(
     beta: torch.Tensor,
     scale: float,
     chunk_size: int = 16,
-) -> torch.Tensor:
+    initial_state: torch.Tensor | None = None,
+    return_final_state: bool = False,
+):
     """Chunked (WY) form of :func:`naive_recurrent_kda`; identical maths, ``T / chunk_size`` sequential steps.
 
     Inside a chunk with in-chunk cumulative log-decay ``G_t`` (so ``Γ_t = exp(G_t)``), the delta-rule pseudo values
     ``U`` solve the unit lower-triangular system ``(I + diag(β)·StrictLower(K̃ K̂ᵀ)) U = diag(β)(V − K̃ S_0)`` with
     ``K̃ = K⊙Γ`` and ``K̂ = K⊙Γ⁻¹``; then ``O = Q̃ S_0 + LowerIncl(Q̃ K̂ᵀ) U`` and
     ``S_C = Γ_C ⊙ S_0 + (K⊙Γ_C/Γ)ᵀ U``. Everything independent of ``S_0`` is computed for all chunks at once.
-    ``chunk_size`` must satisfy ``chunk_size·max|g| ≤ ~80`` (see :func:`safe_chunk_size`).
+    ``chunk_size`` must satisfy ``chunk_size·max|g| ≤ ~80`` (see :func:`safe_chunk_size`). ``initial_state`` /
+    ``return_final_state`` as in :func:`naive_recurrent_kda` (the zero tail padding leaves the state unchanged).
     """
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     B, T, H, K = q.shape
@@ -93,14 +108,17 @@ def chunk_kda(
     q_inter = q * scale * flushed_exp(G)
     chunk_decay = flushed_exp(G[..., -1, :])  # Γ_C  [B,H,N,K]
     k_to_end = k * flushed_exp(G[..., -1:, :] - G)  # K⊙Γ_C/Γ
-    S = q.new_zeros(B, H, K, V)
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float().clone()
     outs = []
     for n in range(N):
         U = W_v[:, :, n] - W_k[:, :, n] @ S
         outs.append(q_inter[:, :, n] @ S + P[:, :, n] @ U)
         S = chunk_decay[:, :, n, :, None] * S + k_to_end[:, :, n].transpose(-1, -2) @ U
-    o = torch.stack(outs, dim=2)  # [B,H,N,C,V]
-    return o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
+    if not outs:
+        o = q.new_zeros(B, 0, H, V)
+    else:
+        o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]  # from [B,H,N,C,V]
+    return (o, S) if return_final_state else o
 
 
 def flushed_exp(x: torch.Tensor, floor: float = -60.0) -> torch.Tensor:
