@@ -23,3 +23,25 @@ def golden_dir() -> Path:
     if not GOLDEN_DIR.is_dir():
         pytest.skip(f"golden references not found at {GOLDEN_DIR} (they ship beside the repo as ../shared/golden)")
     return GOLDEN_DIR
+
+
+@pytest.fixture
+def make_config():
+    """Builder of a k3-tiny draft config (``tests/draft_helpers.py``)."""
+    from draft_helpers import tiny_config
+
+    return tiny_config
+
+
+@pytest.fixture
+def make_draft():
+    from draft_helpers import tiny_draft
+
+    return tiny_draft
+
+
+@pytest.fixture
+def make_batch():
+    from draft_helpers import tiny_batch
+
+    return tiny_batch

@@ -30,18 +30,7 @@ class KimiK3Eagle3Layer(nn.Module):
         self.input_layernorm = K3RMSNorm(H, eps=eps)
         self.hidden_norm = K3RMSNorm(H, eps=eps)
         # The draft's latent norms use rms_norm_eps (reference parity; the target's use 1e-6) — §3.4.
-        self.self_attn = NoPEMLA(
-            input_size=2 * H,
-            output_size=H,
-            num_heads=config.num_attention_heads,
-            q_lora_rank=config.q_lora_rank,
-            kv_lora_rank=config.kv_lora_rank,
-            qk_nope_head_dim=config.qk_nope_head_dim,
-            qk_rope_head_dim=config.qk_rope_head_dim,
-            v_head_dim=config.v_head_dim,
-            latent_norm_eps=eps,
-            use_output_gate=config.mla_use_output_gate,
-        )
+        self.self_attn = NoPEMLA.from_config(config, input_size=2 * H, output_size=H, latent_norm_eps=eps)
         self.post_attention_layernorm = K3RMSNorm(H, eps=eps)
         self.mlp = SituMLP(H, config.intermediate_size, config.activation_situ_beta, config.activation_situ_linear_beta)
 

@@ -50,6 +50,22 @@ class NoPEMLA(nn.Module):
         self.g_proj = nn.Linear(input_size, num_heads * v_head_dim, bias=False) if use_output_gate else None
         self.o_proj = nn.Linear(num_heads * v_head_dim, output_size, bias=False)
 
+    @classmethod
+    def from_config(cls, config, input_size: int, output_size: int, latent_norm_eps: float) -> NoPEMLA:
+        """Build from any config with the K3 MLA field names (target text config or draft config)."""
+        return cls(
+            input_size=input_size,
+            output_size=output_size,
+            num_heads=config.num_attention_heads,
+            q_lora_rank=config.q_lora_rank,
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            latent_norm_eps=latent_norm_eps,
+            use_output_gate=config.mla_use_output_gate,
+        )
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [B,T,in]`` → ``q, k [B,n,T,d_qk]`` and ``v [B,n,T,d_v]``."""
         B, T, _ = x.shape

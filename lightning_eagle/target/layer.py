@@ -17,18 +17,8 @@ MLA_LATENT_NORM_EPS = 1e-6  # the reference builds q_a/kv_a layernorms without a
 
 
 def build_mla(config: KimiK3TextConfig) -> NoPEMLA:
-    return NoPEMLA(
-        input_size=config.hidden_size,
-        output_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        q_lora_rank=config.q_lora_rank,
-        kv_lora_rank=config.kv_lora_rank,
-        qk_nope_head_dim=config.qk_nope_head_dim,
-        qk_rope_head_dim=config.qk_rope_head_dim,
-        v_head_dim=config.v_head_dim,
-        latent_norm_eps=MLA_LATENT_NORM_EPS,
-        use_output_gate=config.mla_use_output_gate,
-    )
+    H = config.hidden_size
+    return NoPEMLA.from_config(config, input_size=H, output_size=H, latent_norm_eps=MLA_LATENT_NORM_EPS)
 
 
 class K3DecoderLayer(nn.Module):

@@ -5,24 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from draft_helpers import tiny_batch, tiny_config, tiny_draft
 
 GOLDEN = Path(__file__).resolve().parents[2].parent / "shared" / "golden"
-
-
-@pytest.fixture
-def make_config():
-    return tiny_config
-
-
-@pytest.fixture
-def make_draft():
-    return tiny_draft
-
-
-@pytest.fixture
-def make_batch():
-    return tiny_batch
 
 
 @pytest.fixture
