@@ -69,6 +69,6 @@ def routed_expert_bytes(model: nn.Module) -> int:
         t.numel() * t.element_size()
         for m in model.modules()
         if isinstance(m, RoutedExperts)
-        for t in (m.gate_up_proj, m.down_proj)
+        for t in m.stored_tensors()
         if t.device != torch.device("meta")
     )

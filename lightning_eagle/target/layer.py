@@ -31,6 +31,7 @@ class K3DecoderLayer(nn.Module):
         layer_idx: int,
         expert_range: tuple[int, int] | None = None,
         kda_backend: str = "auto",
+        expert_storage: str = "dequantized",
     ) -> None:
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
@@ -42,7 +43,7 @@ class K3DecoderLayer(nn.Module):
         self.self_attn = KimiDeltaAttention(config, backend=kda_backend) if self.is_kda else build_mla(config)
         betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
         if config.is_moe(layer_idx):
-            self.block_sparse_moe = K3SparseMoE(config, expert_range)
+            self.block_sparse_moe = K3SparseMoE(config, expert_range, expert_storage)
         else:
             self.mlp = SituMLP(H, config.intermediate_size, *betas)
         if self.block_size is not None:

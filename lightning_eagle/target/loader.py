@@ -20,6 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from lightning_eagle.target.config import text_config_from_dict
+from lightning_eagle.target.experts import RoutedExperts
 from lightning_eagle.target.model import is_fp32_parameter
 from lightning_eagle.target.mxfp4 import decode_mxfp4
 
@@ -110,14 +111,16 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{file}: cannot read tensor {key!r} ({err})") from None
 
 
-def load_k3_checkpoint(cls, path, dtype=torch.bfloat16, device="cpu", expert_range=None, kda_backend="auto"):
+def load_k3_checkpoint(
+    cls, path, dtype=torch.bfloat16, device="cpu", expert_range=None, kda_backend="auto", expert_storage="dequantized"
+):
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
     config = read_config(path)
     ckpt = SafetensorsCheckpoint(path)
     with torch.device("meta"):
-        model = cls(config, expert_range=expert_range, kda_backend=kda_backend)
+        model = cls(config, expert_range=expert_range, kda_backend=kda_backend, expert_storage=expert_storage)
     StateLoader(model, ckpt, dtype, torch.device(device)).load()
     return model.freeze()
 
@@ -136,16 +139,15 @@ class StateLoader:
         return f"{key!r} in {self.ckpt.files[key].name}"
 
     def load(self) -> None:
-        params = dict(self.model.named_parameters())
-        plain = {n: p for n, p in params.items() if not n.endswith((".gate_up_proj", ".down_proj")) or p.dim() != 3}
-        experts = {n.rsplit(".", 1)[0] for n in params if n not in plain}
+        experts = {n for n, m in self.model.named_modules() if isinstance(m, RoutedExperts)}
+        plain = {n: p for n, p in self.model.named_parameters() if n.rpartition(".")[0] not in experts}
         expert_keys = defaultdict(dict)  # experts module name → {(e, w): {kind: ckpt key}}
         missing, unexpected, bad_shape = [], list(self.foreign), []
         for name, key in self.names.items():
             m = _EXPERT_KEY.match(name)
             if m:
                 expert_keys[m.group(1)].setdefault((int(m.group(2)), m.group(3)), {})[m.group(4)] = key
-            elif name not in plain and not (name == "lm_head.weight" and False):
+            elif name not in plain:
                 unexpected.append(key)
         if self.model.config.tie_word_embeddings and "lm_head.weight" not in self.names:
             plain.pop("lm_head.weight", None)
@@ -171,11 +173,16 @@ class StateLoader:
             for e in range(module.start, module.start + module.count):
                 for w in ("w1", "w2", "w3"):
                     kinds = found.get((e, w), {})
-                    shape = (module.intermediate_size, module.gate_up_proj.shape[1])
+                    shape = (module.intermediate_size, module.hidden_size)
                     if w == "w2":
                         shape = shape[::-1]
                     stem = f"{self.prefix}{mod_name}.{e}.{w}"
-                    if "weight" in kinds:
+                    if "weight" in kinds and module.storage == "mxfp4":
+                        bad_shape.append(
+                            f"{stem}: expert_storage='mxfp4' needs MXFP4 experts, the checkpoint has "
+                            "plain weights (load with expert_storage='dequantized')"
+                        )
+                    elif "weight" in kinds:
                         got, _ = self.ckpt.meta(kinds["weight"])
                         if got != shape:
                             bad_shape.append(f"{self.where(kinds['weight'])}: expected {shape}, got {got}")
@@ -214,7 +221,7 @@ class StateLoader:
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
         for mod_name in experts:
             self._load_experts(mod_name, self.model.get_submodule(mod_name))
-        leftover = [n for n, p in self.model.named_parameters() if p.is_meta]
+        leftover = [n for n, p in [*self.model.named_parameters(), *self.model.named_buffers()] if p.is_meta]
         if leftover:
             raise CheckpointError(f"parameters left unmaterialised: {_short(leftover)}")
 
@@ -237,8 +244,10 @@ class StateLoader:
         setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
 
     def _load_experts(self, mod_name: str, module) -> None:
-        n, Hl, I2 = module.gate_up_proj.shape
-        inter = I2 // 2
+        if module.storage == "mxfp4":
+            return self._load_packed_experts(mod_name, module)
+        n, Hl, inter = module.count, module.hidden_size, module.intermediate_size
+        I2 = 2 * inter
         gate_up = torch.empty(n, Hl, I2, dtype=self.dtype, device=self.device)
         down = torch.empty(n, inter, Hl, dtype=self.dtype, device=self.device)
         for local in range(n):
@@ -258,6 +267,29 @@ class StateLoader:
                     decode_mxfp4(packed, scale, out=dest, name=self.prefix + stem)
         module.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
         module.down_proj = nn.Parameter(down, requires_grad=False)
+
+    def _load_packed_experts(self, mod_name: str, module) -> None:
+        """Copy the MXFP4 bytes as stored (no decode): gate/up rows are ``[w1; w3]``, down is ``w2``."""
+        inter = module.intermediate_size
+        buffers = {
+            name: torch.empty_like(getattr(module, name), device=self.device)
+            for name, _ in module.named_buffers(recurse=False)
+        }
+        for local in range(module.count):
+            e = module.start + local
+            for w, rows, stem_kind in (
+                ("w1", slice(0, inter), "gate_up"),
+                ("w3", slice(inter, 2 * inter), "gate_up"),
+                ("w2", slice(None), "down"),
+            ):
+                stem = f"{mod_name}.{e}.{w}"
+                scale = self.ckpt.get(self.names[stem + ".weight_scale"])
+                if bool((scale == 255).any()):
+                    raise CheckpointError(f"{self.where(self.names[stem + '.weight_scale'])}: MXFP4 scale byte 255")
+                buffers[f"{stem_kind}_packed"][local, rows] = self.ckpt.get(self.names[stem + ".weight_packed"])
+                buffers[f"{stem_kind}_scale"][local, rows] = scale
+        for name, tensor in buffers.items():
+            setattr(module, name, tensor)
 
 
 def _short(items: list[str], limit: int = 8) -> str:

@@ -55,14 +55,19 @@ def attention_mask_for_mla(
 
 class KimiK3TextModel(nn.Module):
     def __init__(
-        self, config: KimiK3TextConfig, expert_range: tuple[int, int] | None = None, kda_backend: str = "auto"
+        self,
+        config: KimiK3TextConfig,
+        expert_range: tuple[int, int] | None = None,
+        kda_backend: str = "auto",
+        expert_storage: str = "dequantized",
     ) -> None:
         super().__init__()
         self.config = config
         H = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, H)
         self.layers = nn.ModuleList(
-            K3DecoderLayer(config, i, expert_range, kda_backend) for i in range(config.num_hidden_layers)
+            K3DecoderLayer(config, i, expert_range, kda_backend, expert_storage)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = K3RMSNorm(H, eps=config.rms_norm_eps)
         if config.attn_res_block_size is not None:
@@ -91,12 +96,16 @@ class KimiK3ForCausalLM(nn.Module):
     """
 
     def __init__(
-        self, config: KimiK3TextConfig, expert_range: tuple[int, int] | None = None, kda_backend: str = "auto"
+        self,
+        config: KimiK3TextConfig,
+        expert_range: tuple[int, int] | None = None,
+        kda_backend: str = "auto",
+        expert_storage: str = "dequantized",
     ) -> None:
         super().__init__()
         self.config = config
         self.expert_range = expert_range
-        self.model = KimiK3TextModel(config, expert_range, kda_backend)
+        self.model = KimiK3TextModel(config, expert_range, kda_backend, expert_storage)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     # ---- construction ---------------------------------------------------------------------------------------------
@@ -108,13 +117,23 @@ class KimiK3ForCausalLM(nn.Module):
         device: torch.device | str = "cpu",
         expert_range: tuple[int, int] | None = None,
         kda_backend: str = "auto",
+        expert_storage: str = "dequantized",
     ) -> KimiK3ForCausalLM:
         """Load a released-layout checkpoint directory (outer VLM or bare text ``config.json``; single or sharded
-        safetensors; MXFP4 or plain experts). Returns the model frozen and in eval mode."""
+        safetensors; MXFP4 or plain experts). Returns the model frozen and in eval mode.
+
+        ``expert_storage="mxfp4"`` keeps routed experts MXFP4-packed in memory (decoded per expert in the forward);
+        ``"dequantized"`` decodes them once to ``dtype`` at load."""
         from lightning_eagle.target.loader import load_k3_checkpoint
 
         return load_k3_checkpoint(
-            cls, path, dtype=dtype, device=device, expert_range=expert_range, kda_backend=kda_backend
+            cls,
+            path,
+            dtype=dtype,
+            device=device,
+            expert_range=expert_range,
+            kda_backend=kda_backend,
+            expert_storage=expert_storage,
         )
 
     @torch.no_grad()

@@ -37,7 +37,9 @@ def local_dispatch(experts: RoutedExperts, z: torch.Tensor, topk_idx: torch.Tens
 class K3SparseMoE(nn.Module):
     """``block_sparse_moe``: router, latent down/up projections, routed experts, latent norm and shared experts."""
 
-    def __init__(self, config: KimiK3TextConfig, expert_range: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self, config: KimiK3TextConfig, expert_range: tuple[int, int] | None = None, expert_storage: str = "dequantized"
+    ) -> None:
         super().__init__()
         H, Hl = config.hidden_size, config.expert_hidden_size
         betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
@@ -47,7 +49,9 @@ class K3SparseMoE(nn.Module):
             self.routed_expert_down_proj = nn.Linear(H, Hl, bias=False)
             self.routed_expert_up_proj = nn.Linear(Hl, H, bias=False)
             self.routed_expert_norm = K3RMSNorm(Hl, eps=config.rms_norm_eps) if config.latent_moe_use_norm else None
-        self.experts = RoutedExperts(config.num_experts, Hl, config.moe_intermediate_size, expert_range, *betas)
+        self.experts = RoutedExperts(
+            config.num_experts, Hl, config.moe_intermediate_size, expert_range, *betas, storage=expert_storage
+        )
         self.shared_experts = (
             SituMLP(H, config.num_shared_experts * config.moe_intermediate_size, *betas)
             if config.num_shared_experts

@@ -41,7 +41,7 @@ def checkpoint_state_dict(model, mxfp4: bool = True, prefix: str = TEXT_PREFIX) 
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         t = p.detach().cpu()
-        if name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj"):
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             continue
         if name.endswith("A_log"):
             t = torch.cat([t, t.new_zeros(math.ceil(t.shape[0] / 128) * 128 - t.shape[0])])
@@ -52,6 +52,14 @@ def checkpoint_state_dict(model, mxfp4: bool = True, prefix: str = TEXT_PREFIX) 
         inter = module.intermediate_size
         for local in range(module.count):
             e = module.start + local
+            if module.storage == "mxfp4":  # already packed: write the stored bytes
+                stored = {"w1": slice(0, inter), "w3": slice(inter, 2 * inter)}
+                for w, rows in stored.items():
+                    out[f"{prefix}{mod_name}.{e}.{w}.weight_packed"] = module.gate_up_packed[local, rows].cpu().clone()
+                    out[f"{prefix}{mod_name}.{e}.{w}.weight_scale"] = module.gate_up_scale[local, rows].cpu().clone()
+                out[f"{prefix}{mod_name}.{e}.w2.weight_packed"] = module.down_packed[local].cpu().clone()
+                out[f"{prefix}{mod_name}.{e}.w2.weight_scale"] = module.down_scale[local].cpu().clone()
+                continue
             weights = {
                 "w1": module.gate_up_proj[local, :, :inter].t(),
                 "w3": module.gate_up_proj[local, :, inter:].t(),

@@ -61,6 +61,8 @@ class Eagle3Module(pl.LightningModule):
         attention_backend: TTT attention (``"eager"`` naive twin, ``"flash_lse"`` efficient).
         draft_init_seed: seeds the draft's random init (identical on every rank, independent of the global RNG).
         target_dtype / draft_dtype: the target keeps its fp32 islands whatever ``target_dtype`` is.
+        target_expert_storage: ``"mxfp4"`` keeps routed experts packed in memory (~3.8x less than bf16), decoded
+            per expert in the forward; ``"dequantized"`` decodes them once at load.
         lr / weight_decay / warmup_ratio / min_lr_ratio: AdamW (betas 0.9/0.95) + warmup-cosine defaults;
             ``optimizer`` / ``lr_scheduler`` callables replace them (LightningCLI ``OptimizerCallable``).
         teacher_vocab_chunk / teacher_seq_chunk: chunking of the teacher's full-vocabulary argmax.
@@ -79,6 +81,7 @@ class Eagle3Module(pl.LightningModule):
         attention_backend: str = "eager",
         draft_init_seed: int = 0,
         target_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16",
+        target_expert_storage: Literal["dequantized", "mxfp4"] = "dequantized",
         draft_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         lr: float = 1e-4,
         weight_decay: float = 0.0,
@@ -146,7 +149,7 @@ class Eagle3Module(pl.LightningModule):
         device = self._root_device()
         target = KimiK3ForCausalLM.from_pretrained(
             self.target_path, dtype=_DTYPES[self.hparams.target_dtype], device=device,
-            expert_range=self.expert_range(),
+            expert_range=self.expert_range(), expert_storage=self.hparams.target_expert_storage,
         )  # fmt: skip
         strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
         if hasattr(strategy, "parallelize_target"):

@@ -11,10 +11,13 @@ from safetensors.torch import load_file
 from lightning_eagle import KimiK3ForCausalLM
 
 
-@pytest.fixture(scope="module", params=["chunk", "naive"])
+@pytest.fixture(scope="module", params=[("chunk", "dequantized"), ("naive", "dequantized"), ("chunk", "mxfp4")])
 def golden(request, golden_dir):
     target = golden_dir / "target"
-    model = KimiK3ForCausalLM.from_pretrained(target, dtype=torch.float32, kda_backend=request.param)
+    kda_backend, expert_storage = request.param
+    model = KimiK3ForCausalLM.from_pretrained(
+        target, dtype=torch.float32, kda_backend=kda_backend, expert_storage=expert_storage
+    )
     inputs, expected = load_file(str(target / "inputs.safetensors")), load_file(str(target / "expected.safetensors"))
     layer_outs, prenorm = {}, {}
     handles = [

@@ -181,3 +181,26 @@ def test_corrupt_and_inconsistent_files(ckpt_dir, tmp_path):
         KimiK3ForCausalLM.from_pretrained(idx)
     with pytest.raises(CheckpointError, match="not a checkpoint directory"):
         KimiK3ForCausalLM.from_pretrained(tmp_path / "nowhere")
+
+
+def test_mxfp4_expert_storage_keeps_bytes_packed(ckpt_dir, source, tmp_path):
+    packed = KimiK3ForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32, expert_storage="mxfp4")
+    experts = packed.model.layers[2].block_sparse_moe.experts
+    assert experts.gate_up_packed.dtype == torch.uint8 and not hasattr(experts, "gate_up_proj")
+    # same decoded values; only the matmul operand layout differs (transposed view), hence fp32-noise tolerance
+    torch.testing.assert_close(_logits(packed), _logits(source), rtol=1e-5, atol=1e-5)
+    gate_up, down = experts.weights(1, torch.float32)  # decoded on the fly == the dequantised stack
+    source_experts = source.model.layers[2].block_sparse_moe.experts
+    assert torch.equal(gate_up, source_experts.gate_up_proj[1]) and torch.equal(down, source_experts.down_proj[1])
+    half = KimiK3ForCausalLM.from_pretrained(
+        ckpt_dir, dtype=torch.bfloat16, expert_storage="mxfp4", expert_range=(4, 4)
+    )
+    assert half.model.layers[1].block_sparse_moe.experts.down_packed.shape == (4, 96, 16)
+    rewritten = save_k3_checkpoint(packed, tmp_path / "again")  # packed bytes are written back unchanged
+    assert torch.equal(_logits(KimiK3ForCausalLM.from_pretrained(rewritten, dtype=torch.float32)), _logits(source))
+
+
+def test_mxfp4_storage_refuses_plain_experts(source, tmp_path):
+    plain = save_k3_checkpoint(source, tmp_path / "plain", mxfp4=False)
+    with pytest.raises(CheckpointError, match="expert_storage='mxfp4' needs MXFP4 experts"):
+        KimiK3ForCausalLM.from_pretrained(plain, expert_storage="mxfp4")
