@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from lightning_eagle.target.pretrain import QUICKSTART_TARGET
+
 REPO = Path(__file__).resolve().parents[1]
-QUICKSTART_TARGET = REPO / "lightning_eagle" / "assets" / "k3-tiny-chat"
 QUICKSTART_DRAFT = REPO / "runs" / "quickstart" / "draft"
 
 

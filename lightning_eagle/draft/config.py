@@ -13,6 +13,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_eagle.aux_layers import validate_aux_layer_ids as validate_taps
+
 NUM_AUX_HIDDEN_STATES = 3  # EAGLE-3 taps three target layers (fixed)
 DEFAULT_DRAFT_VOCAB_SIZE = 32000
 AUX_STREAMS = ("prefix", "mixed")
@@ -205,21 +207,10 @@ class Eagle3DraftConfig:
 def validate_aux_layer_ids(ids: list[int], num_layers: int | None, warn_final: bool = False) -> None:
     """Exactly 3 distinct ids in ``[0, L]`` (order preserved: it is ``fc``'s input order). ``L`` means the pre-norm
     final state (`k3_target.md` §6.4); it has no portable engine meaning, so ``warn_final`` warns about it."""
-    ids = list(ids)
-    where = f"aux_layer_ids {ids}"
-    if len(ids) != NUM_AUX_HIDDEN_STATES:
-        raise ValueError(f"{where}: EAGLE-3 needs exactly {NUM_AUX_HIDDEN_STATES} ids (target L={num_layers})")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{where}: ids must be distinct (target L={num_layers})")
-    if any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
-        raise ValueError(f"{where}: ids must be ints")
-    if num_layers is not None:
-        bad = [i for i in ids if not 0 <= i <= num_layers]
-        if bad:
-            raise ValueError(f"{where}: ids {bad} are outside [0, L={num_layers}]")
-        if warn_final and num_layers in ids:
-            warnings.warn(
-                f"{where} contain L={num_layers}: the model.norm tap (pre-norm final state) has no portable engine "
-                "meaning; make sure the serving engine taps the same state",
-                stacklevel=3,
-            )
+    ids = validate_taps(ids, num_layers, count=NUM_AUX_HIDDEN_STATES)
+    if warn_final and num_layers is not None and num_layers in ids:
+        warnings.warn(
+            f"aux_layer_ids {ids} contain L={num_layers}: the model.norm tap (pre-norm final state) has no portable "
+            "engine meaning; make sure the serving engine taps the same state",
+            stacklevel=3,
+        )

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lightning_eagle.draft.config import NUM_AUX_HIDDEN_STATES, Eagle3DraftConfig
+from lightning_eagle.draft.config import FIELDS_FROM_TARGET, NUM_AUX_HIDDEN_STATES, Eagle3DraftConfig
 
 ARCHITECTURE = "Eagle3KimiK3ForCausalLM"  # §14.2 decision: engines must refuse it loudly until a K3 head exists
 MODEL_TYPE = "kimi_linear"
@@ -20,27 +20,9 @@ FLOAT = "float"  # any floating dtype; all float tensors of one export share ``t
 
 # Config fields copied 1:1 between Eagle3DraftConfig and config.json.
 _PLAIN_FIELDS = (
-    "hidden_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "mla_use_nope",
-    "mla_use_output_gate",
-    "intermediate_size",
-    "hidden_act",
-    "activation_situ_beta",
-    "activation_situ_linear_beta",
-    "rms_norm_eps",
-    "vocab_size",
+    *FIELDS_FROM_TARGET,
     "draft_vocab_size",
     "target_hidden_size",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
     "fc_norm",
     "norm_output",
     # project fields

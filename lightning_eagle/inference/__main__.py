@@ -20,9 +20,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def target_path(target: str) -> Path:
     """``"quickstart"`` = the bundled tiny K3 (as in the training config); anything else is a directory."""
-    if target == "quickstart":
-        return Path(__file__).resolve().parents[1] / "assets" / "k3-tiny-chat"
-    return Path(target).expanduser()
+    from lightning_eagle.target.pretrain import QUICKSTART_TARGET
+
+    return QUICKSTART_TARGET if target == "quickstart" else Path(target).expanduser()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_eagle.aux_layers import validate_aux_layer_ids
+
 AUX_STREAMS = ("prefix", "mixed")
 
 
@@ -20,24 +22,6 @@ class CaptureOutput:
     aux_hidden_states: torch.Tensor  # [B,T,len(ids)·H], taps concatenated in the given order
     final_hidden: torch.Tensor  # [B,T,H], output of the final norm
     logits: torch.Tensor | None = None
-
-
-def validate_aux_layer_ids(aux_layer_ids, num_hidden_layers: int, count: int | None = 3) -> list[int]:
-    """Exactly ``count`` distinct ids in ``[0, L]``; order is kept (it is ``fc``'s input order)."""
-    L = num_hidden_layers
-    ids = list(aux_layer_ids)
-    problems = []
-    if count is not None and len(ids) != count:
-        problems.append(f"expected {count} ids, got {len(ids)}")
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        problems.append("ids must be ints")
-    elif any(not 0 <= i <= L for i in ids):
-        problems.append(f"ids must be in [0, {L}] (num_hidden_layers={L}; {L} = input of the final norm)")
-    if len(set(ids)) != len(ids):
-        problems.append("ids must be distinct")
-    if problems:
-        raise ValueError(f"invalid EAGLE-3 aux_layer_ids {ids} for a {L}-layer target: " + "; ".join(problems))
-    return ids
 
 
 def resolve_aux_layer_ids(aux_layer_ids, num_hidden_layers: int) -> list[int]:

@@ -36,13 +36,14 @@ def next_token_loss(model: KimiK3ForCausalLM, input_ids: torch.Tensor, attention
 
 
 @torch.no_grad()
-def snap_experts_to_mxfp4(model: KimiK3ForCausalLM) -> None:
+def snap_experts_to_mxfp4(model: KimiK3ForCausalLM) -> KimiK3ForCausalLM:
     """Round routed experts onto the MXFP4 grid they will be stored in, so the saved target is the evaluated one."""
     for module in model.modules():
         if type(module).__name__ == "RoutedExperts":
             for e in range(module.count):
                 for w in (module.gate_up_proj[e], module.down_proj[e]):
                     w.copy_(decode_mxfp4(*encode_mxfp4(w.t())).t())
+    return model
 
 
 def pretrain_tiny_target(

@@ -25,6 +25,7 @@ from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY
 from lightning_eagle.parallel.validate import validate_layout, validate_target_config
 from lightning_eagle.target.config import text_config_from_dict
 from lightning_eagle.target.model import KimiK3ForCausalLM
+from lightning_eagle.target.pretrain import QUICKSTART_TARGET
 from lightning_eagle.training.loss import soft_cross_entropy
 from lightning_eagle.training.loss import step_weights as default_step_weights
 from lightning_eagle.training.metrics import TTTMetrics
@@ -36,7 +37,6 @@ from lightning_eagle.training.ttt import TTTOutput, ttt_loss
 
 log = logging.getLogger(__name__)
 
-QUICKSTART_TARGET = Path(__file__).resolve().parents[1] / "assets" / "k3-tiny-chat"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TARGET_FINGERPRINT_KEY = "eagle_target_fingerprint"
 

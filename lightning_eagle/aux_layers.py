@@ -1,0 +1,27 @@
+"""Which target layers EAGLE-3 taps: the one validation of ``aux_layer_ids`` shared by the K3 target, the draft
+config and inference. Dependency-free on purpose (parsing a draft config must not import transformers)."""
+
+from __future__ import annotations
+
+
+def validate_aux_layer_ids(aux_layer_ids, num_hidden_layers: int | None, count: int | None = 3) -> list[int]:
+    """Exactly ``count`` distinct ids in ``[0, L]``; order is kept (it is ``fc``'s input order). The one check used
+    by the target, the draft config and inference; ``num_hidden_layers=None`` (depth unknown) skips the range."""
+    L = num_hidden_layers
+    ids = list(aux_layer_ids)
+    problems = []
+    if count is not None and len(ids) != count:
+        problems.append(f"expected {count} ids (EAGLE-3 needs exactly {count}), got {len(ids)}")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        problems.append("ids must be ints")
+    elif L is not None and any(not 0 <= i <= L for i in ids):
+        outside = [i for i in ids if not 0 <= i <= L]
+        problems.append(
+            f"ids must be in [0, {L}] (num_hidden_layers={L}; {L} = input of the final norm); outside: {outside}"
+        )
+    if len(set(ids)) != len(ids):
+        problems.append("ids must be distinct")
+    if problems:
+        target = f"a {L}-layer target" if L is not None else "a target of unknown depth"
+        raise ValueError(f"invalid EAGLE-3 aux_layer_ids {ids} for {target}: " + "; ".join(problems))
+    return ids
