@@ -21,6 +21,7 @@ _EXPORTS = {
     "KimiK3Eagle3Draft": "lightning_eagle.draft",
     "export_draft": "lightning_eagle.draft",
     "Eagle3Module": "lightning_eagle.training.module",
+    "ChatDataModule": "lightning_eagle.data.datamodule",
     "ExpertParallelStrategy": "lightning_eagle.parallel.strategy",
 }
 

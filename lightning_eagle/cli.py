@@ -1,20 +1,67 @@
 """Command line: ``lightning-eagle {fit,validate,test,predict} --config …`` (LightningCLI) and
-``lightning-eagle export CHECKPOINT OUT_DIR`` (serving export of a trained draft)."""
+``lightning-eagle export CHECKPOINT OUT_DIR`` (serving export of a trained draft).
+
+* ``--config quickstart`` (or ``kimi_k3_eagle3``) names a config shipped inside the package.
+* Everything a run writes lives under ``trainer.default_root_dir`` unless a path is set explicitly: checkpoints in
+  ``<root>/checkpoints``, CSV logs in ``<root>/logs/version_N``, the export in ``<root>/draft``.
+* A user error (missing file, malformed row, bad value, refused layout, unreadable checkpoint) prints one message
+  and exits with status 1; ``--debug`` or ``LIGHTNING_EAGLE_DEBUG=1`` shows the full traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger
 
+from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.data.datamodule import ChatDataModule
 from lightning_eagle.training.module import Eagle3Module
+from lightning_eagle.training.progress import StepProgressBar
+from lightning_eagle.training.summary import fit_summary
+
+DEBUG_ENV = "LIGHTNING_EAGLE_DEBUG"
+# Errors that mean "the input is wrong", not "the library is broken": shown as one line without a traceback.
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+               PermissionError, MisconfigurationException)  # fmt: skip
 
 
 class Eagle3CLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.set_defaults({"trainer.precision": "32-true"})
+
+    def _add_subcommands(self, parser, **kwargs) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        # Listed in --help; `main` runs it before LightningCLI parses anything (it is not a Trainer method).
+        export = argparse.ArgumentParser(prog="export", add_help=False)
+        parser._subcommands_action.add_subcommand("export", export, help="Write a trained draft for serving")
+
+    def instantiate_trainer(self, **kwargs):
+        """The step-counting progress bar unless the config disables the bar or brings its own."""
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = list(config.get("callbacks") or [])
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            config["callbacks"] = [*callbacks, StepProgressBar()]
+        return super().instantiate_trainer(**kwargs)
+
+    def after_instantiate_classes(self) -> None:
+        """Put the outputs a config leaves unset under ``trainer.default_root_dir``."""
+        trainer, root = self.trainer, self.trainer.default_root_dir
+        configured_logger = self.config[self.subcommand]["trainer"].get("logger")
+        if configured_logger in (None, True) and trainer.loggers:  # Lightning's default logger: make it CSV
+            trainer.loggers = [CSVLogger(root, name="logs")]
+        for callback in trainer.callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+                callback.dirpath = os.path.realpath(os.path.join(root, "checkpoints"))
+
+    def after_fit(self) -> None:
+        if self.trainer.is_global_zero:
+            print(fit_summary(self.trainer))
 
 
 def export_main(argv: list[str]) -> None:
@@ -41,12 +88,38 @@ def export_main(argv: list[str]) -> None:
     print(f"exported {args.checkpoint} to {path}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    words = sys.argv[1:] if argv is None else argv
+def _resolve_packaged_configs(words: list[str]) -> list[str]:
+    out = list(words)
+    for i, word in enumerate(out):
+        if word == "--config" and i + 1 < len(out):
+            out[i + 1] = str(resolve_config_path(out[i + 1]))
+        elif word.startswith("--config="):
+            out[i] = "--config=" + str(resolve_config_path(word.split("=", 1)[1]))
+    return out
+
+
+def _run(words: list[str], from_sys_argv: bool) -> None:
     if words and words[0] == "export":
         return export_main(words[1:])
-    # args=None lets LightningCLI read sys.argv itself (passing both triggers its misuse warning)
-    Eagle3CLI(Eagle3Module, ChatDataModule, args=argv, save_config_kwargs={"overwrite": True})
+    words = _resolve_packaged_configs(words)
+    if from_sys_argv:  # LightningCLI warns when given `args` while sys.argv has arguments too
+        sys.argv[1:] = words
+    Eagle3CLI(Eagle3Module, ChatDataModule, args=None if from_sys_argv else words,
+              save_config_kwargs={"overwrite": True})  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    words = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in words or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    words = [w for w in words if w != "--debug"]
+    try:
+        _run(words, from_sys_argv=argv is None)
+    except USER_ERRORS as exc:
+        if debug:
+            raise
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        print(f"error: {message}\n(full traceback: add --debug or set {DEBUG_ENV}=1)", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

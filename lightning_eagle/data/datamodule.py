@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
 from lightning_eagle.data.dataset import EncodeOptions, TokenizedChatDataset, collate_chat_rows
 from lightning_eagle.data.loss_mask import (
@@ -22,6 +22,7 @@ from lightning_eagle.data.loss_mask import (
     get_loss_mask_recovery_by_name,
 )
 from lightning_eagle.data.render_k3 import validate_render_options
+from lightning_eagle.data.sampler import EpochShuffleSampler, ResumableDataLoader
 from lightning_eagle.data.synthetic_corpus import bundled_sample_path
 from lightning_eagle.data.tokenizer import KimiTokenizer, resolve_tokenizer
 from lightning_eagle.data.vocab_map import VocabMapping, build_vocab_mapping, vocab_map_fingerprint
@@ -32,33 +33,6 @@ log = logging.getLogger(__name__)
 def default_cache_dir() -> Path:
     root = os.environ.get("LIGHTNING_EAGLE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lightning_eagle")
     return Path(root) / "chat_data"
-
-
-class EpochShuffleSampler(Sampler[int]):
-    """A permutation that depends only on ``(seed, epoch)`` - not on the global RNG - so runs and resumes agree.
-
-    Lightning calls ``set_epoch`` at every epoch start (also through its distributed wrapper). Each pass also
-    advances the epoch by one, so a plain ``for epoch ...: for batch in loader`` loop sees a new order every time.
-    """
-
-    def __init__(self, num_samples: int, seed: int, shuffle: bool = True) -> None:
-        self.num_samples, self.seed, self.shuffle, self.epoch = num_samples, seed, shuffle, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def order(self, epoch: int) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.num_samples))
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_samples, generator=generator).tolist()
-
-    def __iter__(self):
-        epoch, self.epoch = self.epoch, self.epoch + 1
-        return iter(self.order(epoch))
-
-    def __len__(self) -> int:
-        return self.num_samples
 
 
 class _Subset(torch.utils.data.Dataset):
@@ -187,6 +161,8 @@ class ChatDataModule(pl.LightningDataModule):
         self.summary: dict[str, Any] = {}
         self._train_data: TokenizedChatDataset | None = None
         self._train_sampler: EpochShuffleSampler | None = None
+        self._train_loader: ResumableDataLoader | None = None
+        self._pending_position: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------------------- linkable values
 
@@ -317,12 +293,17 @@ class ChatDataModule(pl.LightningDataModule):
     def _collate(self) -> _Collate:
         return _Collate(self.pad_token_id, self.max_length if self.pad_to_max_length else None)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> ResumableDataLoader:
+        """Shards itself over the trainer's data-parallel world and resumes mid-epoch from a checkpoint."""
         if self.train_dataset is None:
             raise RuntimeError("call setup() before train_dataloader()")
         if self._train_sampler is None:  # one sampler per data module, so repeated calls keep advancing epochs
-            self._train_sampler = EpochShuffleSampler(len(self.train_dataset), self.seed, self.shuffle)
-        return DataLoader(
+            shard = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
+            self._train_sampler = EpochShuffleSampler(
+                len(self.train_dataset), self.seed, self.shuffle,
+                num_replicas=shard.get("num_replicas", 1), rank=shard.get("rank", 0),
+            )  # fmt: skip
+        self._train_loader = ResumableDataLoader(
             self.train_dataset,
             batch_size=self.batch_size,
             sampler=self._train_sampler,
@@ -330,6 +311,10 @@ class ChatDataModule(pl.LightningDataModule):
             num_workers=self.loader_workers,
             persistent_workers=self.loader_workers > 0,
         )
+        if self._pending_position is not None:  # a checkpoint was loaded before the loader existed
+            self._train_loader.load_state_dict(self._pending_position)
+            self._pending_position = None
+        return self._train_loader
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
@@ -351,19 +336,24 @@ class ChatDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------------------------------- resume
 
     def state_dict(self) -> dict[str, Any]:
-        """Identity of the data a checkpoint was trained on: seed (split, shuffle), cache key and vocab map.
+        """Identity of the data a checkpoint was trained on (seed, cache key, vocab map) and the position inside the
+        epoch (the train loader's ``state_dict``).
 
-        Mid-epoch position is not stored: a resumed epoch replays its (seeded) order from the start.
+        Lightning also saves the loader's state with its fit loop, but restores it only when the train loader is
+        built after the checkpoint is loaded — not when ``configure_optimizers`` asks for
+        ``trainer.estimated_stepping_batches`` (ours does), which builds it before. The data module's state is always
+        restored, so the position is applied from here.
         """
         data = self._train_data
         return {
             "seed": self.seed,
             "dataset_key": data.key if data is not None else None,
             "vocab_map_fingerprint": self.vocab_mapping.fingerprint if self.vocab_mapping is not None else None,
+            "train_position": self._train_loader.state_dict() if self._train_loader is not None else None,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Refuse to resume with a different seed (split and shuffle order), data or vocab map."""
+        """Refuse to resume with a different seed (split and shuffle order), data or vocab map; resume the position."""
         if state_dict.get("seed") is not None and state_dict["seed"] != self.seed:
             raise ValueError(
                 f"checkpoint was trained with data seed {state_dict['seed']}, this data module uses {self.seed}: "
@@ -377,6 +367,11 @@ class ChatDataModule(pl.LightningDataModule):
                     f"checkpoint was trained with a different {key} ({theirs[:16]}…) than this data module "
                     f"({mine[key][:16]}…): the data, tokenizer or masking options changed"
                 )
+        position = state_dict.get("train_position")
+        if position is not None and self._train_loader is not None:
+            self._train_loader.load_state_dict(position)
+        else:
+            self._pending_position = position
 
 
 def _as_file_list(files: list[str] | str | None) -> list[str]:

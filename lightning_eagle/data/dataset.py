@@ -13,8 +13,6 @@ import json
 import logging
 import multiprocessing
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_eagle.atomic import atomic_dir
 from lightning_eagle.data.loss_mask import LossMaskRecovery
 from lightning_eagle.data.render_k2 import build_k2_segments
 from lightning_eagle.data.render_k3 import ChatFormatError, build_k3_segments, encode_segments
@@ -266,9 +265,7 @@ class TokenizedChatDataset(torch.utils.data.Dataset):
         from safetensors.torch import save_file
 
         directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-        try:
+        with atomic_dir(directory, overwrite=True) as tmp:
             tensors = {
                 "input_ids": self.input_ids,
                 "loss_mask": self.loss_mask,
@@ -279,12 +276,6 @@ class TokenizedChatDataset(torch.utils.data.Dataset):
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "data.safetensors"))
             manifest = {"format": CACHE_FORMAT, "key": key, "key_fields": key_fields, "summary": asdict(self.summary)}
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
-            if directory.exists():
-                shutil.rmtree(directory)
-            os.replace(tmp, directory)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
         self.key = key
         return directory
 
@@ -383,7 +374,7 @@ class _KeptRows:
 
 def _handle_bad(summary: DataSummary, error: DataRowError, on_bad_row: str) -> None:
     if on_bad_row == "raise":
-        raise error
+        raise DataRowError(error.file, error.line, error.field, error.problem, hint=DataRowError.SKIP_HINT)
     summary.rows_bad_skipped += 1
     if len(summary.bad_row_examples) < MAX_BAD_ROW_EXAMPLES:
         summary.bad_row_examples.append(str(error))

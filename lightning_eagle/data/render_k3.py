@@ -272,7 +272,11 @@ def build_k3_segments(
             if name is None and tool_index <= len(prior_calls):
                 name = _function_of(prior_calls[tool_index - 1]).get("name")
             if name is None:
-                raise ChatFormatError(f"{where}: tool result has no resolvable tool name (no matching tool_call_id)")
+                raise ChatFormatError(
+                    f"{where}: tool result has no resolvable tool name (no matching tool_call_id): expected a 'name' "
+                    f"field or an earlier assistant message with tool_calls, got {len(prior_calls)} call(s) for "
+                    f"{tool_index} tool result(s)"
+                )
             segments += _open_tag("message", [("role", "tool"), ("tool", name), ("index", tool_index)])
             segments += _content(message.get("content"), False, where) + _end_message()
 

@@ -18,9 +18,11 @@ from lightning_eagle.data.render_k3 import KNOWN_ROLES, ChatFormatError, normali
 class DataRowError(ValueError):
     """A malformed input row: ``{file}:{line}: {field}: {problem}``."""
 
-    def __init__(self, file: str, line: int, field: str, problem: str) -> None:
+    SKIP_HINT = "to skip and count malformed rows instead, set on_bad_row='skip' (CLI: --data.on_bad_row skip)"
+
+    def __init__(self, file: str, line: int, field: str, problem: str, hint: str = "") -> None:
         self.file, self.line, self.field, self.problem = file, line, field, problem
-        super().__init__(f"{file}:{line}: {field}: {problem}")
+        super().__init__(f"{file}:{line}: {field}: {problem}" + (f" ({hint})" if hint else ""))
 
 
 class RowProblem(ValueError):

@@ -518,6 +518,21 @@ def _token_content(value: Any) -> str | None:
     return value
 
 
+def _check_ranks(ranks: Mapping[bytes, int], vocab_file: Path) -> None:
+    """The checks ``KimiTokenizer`` applies to ranks, with the file named (a truncated or foreign vocabulary)."""
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ValueError(
+            f"{vocab_file}: expected all 256 single-byte tokens, got {len(ranks)} ranks missing {len(missing)} "
+            f"single bytes (e.g. {missing[:5]}); is the file truncated or not a Kimi tiktoken.model?"
+        )
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(
+            f"{vocab_file}: expected ranks 0..{len(ranks) - 1} without gaps or duplicates, got "
+            f"{len(set(ranks.values()))} distinct ranks from {min(ranks.values())} to {max(ranks.values())}"
+        )
+
+
 def load_kimi_tokenizer(path: str | Path, *, pat_str: str | None = None) -> KimiTokenizer:
     """Load a Kimi (K2/K3) tokenizer directory offline: ``tiktoken.model`` + ``tokenizer_config.json``.
 
@@ -541,6 +556,7 @@ def load_kimi_tokenizer(path: str | Path, *, pat_str: str | None = None) -> Kimi
     if not vocab_file.is_file():
         raise FileNotFoundError(f"{directory}: no {vocab_file.name} (expected the Kimi tiktoken.model vocabulary)")
     ranks = read_tiktoken_model(vocab_file)
+    _check_ranks(ranks, vocab_file)
     base = len(ranks)
 
     specials: dict[int, str] = {}
@@ -574,18 +590,21 @@ def load_kimi_tokenizer(path: str | Path, *, pat_str: str | None = None) -> Kimi
         pat_str = extract_pat_str(source) if source.is_file() else None
         if pat_str is None:
             pat_str = K3_PAT_STR
-    return KimiTokenizer(
-        ranks,
-        specials,
-        pat_str=pat_str,
-        name=f"kimi:{directory.name}",
-        bos_token=_token_content(config.get("bos_token")) or "[BOS]",
-        eos_token=_token_content(config.get("eos_token")) or "[EOS]",
-        unk_token=_token_content(config.get("unk_token")) or ("[UNK]" if "[UNK]" in special_names else None),
-        pad_token=_token_content(config.get("pad_token")) or ("[PAD]" if "[PAD]" in special_names else None),
-        added_tokens=added,
-        name_or_path=str(directory),
-    )
+    try:
+        return KimiTokenizer(
+            ranks,
+            specials,
+            pat_str=pat_str,
+            name=f"kimi:{directory.name}",
+            bos_token=_token_content(config.get("bos_token")) or "[BOS]",
+            eos_token=_token_content(config.get("eos_token")) or "[EOS]",
+            unk_token=_token_content(config.get("unk_token")) or ("[UNK]" if "[UNK]" in special_names else None),
+            pad_token=_token_content(config.get("pad_token")) or ("[PAD]" if "[PAD]" in special_names else None),
+            added_tokens=added,
+            name_or_path=str(directory),
+        )
+    except ValueError as exc:  # the ranks were checked above: what is left comes from the special-token table
+        raise ValueError(f"{config_path if config_path.is_file() else directory}: {exc}") from None
 
 
 def resolve_tokenizer(spec: str | KimiTokenizer) -> KimiTokenizer:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from lightning_eagle.atomic import atomic_dir
+from lightning_eagle.checkpoint_io import load_checkpoint_file
 from lightning_eagle.draft import serving_format as fmt
 from lightning_eagle.draft.config import Eagle3DraftConfig, validate_aux_layer_ids
 from lightning_eagle.draft.model import KimiK3Eagle3Draft
@@ -69,25 +70,11 @@ def export_draft(
 
 
 def _atomic_write(out_dir: Path, tensors: dict[str, torch.Tensor], config_json: dict, overwrite: bool) -> Path:
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} exists; pass overwrite=True to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / fmt.WEIGHTS_NAME), metadata={"format": "pt"})
         with open(tmp / fmt.CONFIG_NAME, "w") as f:
             json.dump(config_json, f, indent=2, sort_keys=True)
             f.write("\n")
-        if out_dir.exists():  # overwrite: move the old folder aside first so a crash never leaves neither
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, old / out_dir.name)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -102,7 +89,7 @@ def _resolve_source(source: Any, config: Eagle3DraftConfig | None) -> tuple[dict
     if path.is_dir():
         return _from_checkpoint_dict(_load_dcp(path), config)
     if path.is_file():
-        return _from_checkpoint_dict(torch.load(path, map_location="cpu", weights_only=False), config)
+        return _from_checkpoint_dict(load_checkpoint_file(path, weights_only=False), config)
     raise FileNotFoundError(f"export source {source!r} is neither a draft module nor an existing checkpoint")
 
 

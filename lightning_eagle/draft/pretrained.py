@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from lightning_eagle.draft import reference_import
@@ -22,17 +23,37 @@ from lightning_eagle.draft.model import KimiK3Eagle3Draft
 INDEX_NAME = "model.safetensors.index.json"
 
 
+def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except SafetensorError as err:  # truncated or corrupt: name the file instead of a bare header error
+        raise ValueError(f"{file}: cannot read safetensors file ({err})") from None
+
+
+def weights_source(folder: Path) -> Path:
+    """The file the weights are read from: ``model.safetensors``, else the shard index."""
+    single = folder / fmt.WEIGHTS_NAME
+    return single if single.is_file() else folder / INDEX_NAME
+
+
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     single = folder / fmt.WEIGHTS_NAME
     if single.is_file():
-        return load_file(str(single))
+        return _load_safetensors(single)
     index = folder / INDEX_NAME
     if not index.is_file():
         raise FileNotFoundError(f"{folder} has neither {fmt.WEIGHTS_NAME} nor {INDEX_NAME}")
-    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    try:
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{index}: not a safetensors index (expected a 'weight_map' object; {err!r})") from None
+    shards = sorted(set(weight_map.values()))
+    absent = [shard for shard in shards if not (folder / shard).is_file()]
+    if absent:
+        raise FileNotFoundError(f"{index}: lists shard(s) {absent}, which do not exist in {folder}")
     state: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        state.update(load_file(str(folder / shard)))
+    for shard in shards:
+        state.update(_load_safetensors(folder / shard))
     missing = sorted(set(weight_map) - set(state))
     if missing:
         raise ValueError(f"{index}: keys listed but absent from the shards: {missing[:5]}")
@@ -50,21 +71,41 @@ def load_pretrained(
     """Build a :class:`KimiK3Eagle3Draft` from ``path``.
 
     Tensors keep their stored dtype unless ``dtype`` is given. An export without ``embed_tokens.weight`` (frozen
-    embedding omitted, §14.1) needs the target's: pass ``target_embedding`` or call ``copy_embeddings_from`` later;
-    until then the embedding is NaN so that an accidental use fails loudly instead of drafting garbage.
+    embedding omitted, §14.1) needs the target's: pass ``target_embedding`` or call ``copy_embeddings_from`` later.
+    Until then the embedding is NaN, which marks it missing: the inference entry points that also get the target
+    (``speculative_generate``, ``evaluate_acceptance``, ``DraftRunner(draft, target)``) fill it from the target's, and
+    anything else that uses it yields NaN instead of plausible garbage.
     """
     folder = Path(path)
-    config_json = json.loads((folder / fmt.CONFIG_NAME).read_text())
+    config_file = folder / fmt.CONFIG_NAME
+    if not config_file.is_file():
+        what = "does not exist" if not folder.exists() else f"has no {fmt.CONFIG_NAME}"
+        raise FileNotFoundError(
+            f"draft folder {str(folder)!r} {what} (expected a draft export: {fmt.CONFIG_NAME} + {fmt.WEIGHTS_NAME})"
+        )
+    try:
+        config_json = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_file}: invalid JSON ({err})") from None
     state = read_weights(folder)
-    if reference_import.is_reference_layout(state):
-        config = reference_import.config_from_reference(config_json)
-        state = reference_import.convert_reference_state(state, config)
-    elif any(k.startswith("midlayer.") for k in state):
-        config = fmt.config_from_json(config_json)
-    else:
-        raise ValueError(f"{folder}: unknown draft layout (neither midlayer.* nor model.layers.0.* keys)")
-    has_embeddings = "embed_tokens.weight" in state
-    fmt.check_state(state, config, include_embeddings=has_embeddings)
+    weights = weights_source(folder)
+    try:
+        if reference_import.is_reference_layout(state):
+            config = reference_import.config_from_reference(config_json)
+        elif any(k.startswith("midlayer.") for k in state):
+            config = fmt.config_from_json(config_json)
+        else:
+            raise ValueError(f"{weights}: unknown draft layout (neither midlayer.* nor model.layers.0.* keys)")
+    except (TypeError, ValueError, KeyError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        raise ValueError(message if message.startswith(str(folder)) else f"{config_file}: {message}") from None
+    try:
+        if reference_import.is_reference_layout(state):
+            state = reference_import.convert_reference_state(state, config)
+        has_embeddings = "embed_tokens.weight" in state
+        fmt.check_state(state, config, include_embeddings=has_embeddings)
+    except ValueError as err:  # key set / shape / dtype against config.json: name both files
+        raise ValueError(f"{weights} does not match {config_file}: {err}") from None
 
     with torch.device("meta"):
         draft = KimiK3Eagle3Draft(config, attention_backend=attention_backend)
@@ -72,6 +113,11 @@ def load_pretrained(
         if target_embedding is not None:
             if hasattr(target_embedding, "full_tensor"):
                 target_embedding = target_embedding.full_tensor()
+            if tuple(target_embedding.shape) != (config.vocab_size, config.hidden_size):
+                raise ValueError(
+                    f"target_embedding has shape {tuple(target_embedding.shape)}, the draft in {folder} needs "
+                    f"{(config.vocab_size, config.hidden_size)} (vocab_size, hidden_size)"
+                )
             state["embed_tokens.weight"] = target_embedding.detach().to(state["fc.weight"].dtype).clone()
         else:
             warnings.warn(

@@ -17,6 +17,7 @@ The reference config does not record which aux layers/stream the draft was train
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -24,6 +25,10 @@ import torch
 from lightning_eagle.draft.config import FIELDS_FROM_TARGET, Eagle3DraftConfig
 
 _RENAMES = (("model.layers.0.", "midlayer."), ("model.", ""))
+# Field types are strings (postponed annotations): ``int | None`` etc. may be null, ``bool`` fields are flags.
+_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(Eagle3DraftConfig)}
+NULLABLE_FIELDS = frozenset(name for name, kind in _FIELD_TYPES.items() if "None" in kind.split(" | "))
+FLAG_FIELDS = frozenset(name for name, kind in _FIELD_TYPES.items() if kind == "bool")
 
 
 def is_reference_layout(keys) -> bool:
@@ -31,21 +36,46 @@ def is_reference_layout(keys) -> bool:
 
 
 def config_from_reference(data: dict[str, Any]) -> Eagle3DraftConfig:
-    """Draft config from the reference's ``config.json`` (target text config + draft fields)."""
+    """Draft config from the reference's ``config.json`` (target text config + draft fields).
+
+    Per field: present with a value → that value; present with null → null (:func:`reference_value`); absent → the
+    reference's default. For the target fields that is the published K3 value (``Eagle3DraftConfig``'s default): the
+    reference's ``KimiK3TextConfig`` defaults agree for the MLA / SiTU / eps fields (q_lora_rank 1536, kv_lora_rank
+    512, SiTU betas 4.0 / 25.0, rms_norm_eps 1e-5, …), and where they do not they are known to be wrong (HEAD's 56
+    heads / 18432 MLP, token ids 1/2/0; `k3_target.md` §1.1, §1.4), so the published values win there too.
+    """
     text = data.get("text_config") or data
-    values = {name: text[name] for name in FIELDS_FROM_TARGET if text.get(name) is not None}
+    values = {name: reference_value(name, text[name]) for name in FIELDS_FROM_TARGET if name in text}
+    if "num_aux_hidden_states" in text:  # absent → 3, as the reference's getattr(config, name, 3)
+        values["num_aux_hidden_states"] = reference_value("num_aux_hidden_states", text["num_aux_hidden_states"])
     values.update(
-        draft_vocab_size=text.get("draft_vocab_size"),
-        target_hidden_size=text.get("target_hidden_size") or text.get("hidden_size"),
-        target_num_hidden_layers=text.get("num_hidden_layers"),
-        fc_norm=bool(text.get("fc_norm", False)),
-        norm_output=bool(text.get("norm_output", False)),
+        # Absent → the reference's getattr defaults: draft_vocab_size → vocab_size (the identity map, not our 32000),
+        # target_hidden_size → hidden_size. Null → None, which our config resolves the same way (§9).
+        draft_vocab_size=reference_value("draft_vocab_size", text.get("draft_vocab_size")),
+        target_hidden_size=reference_value("target_hidden_size", text.get("target_hidden_size")),
+        # The reference writes the target's depth; the draft's own is always 1.
+        target_num_hidden_layers=reference_value("target_num_hidden_layers", text.get("num_hidden_layers")),
+        # Absent or null → off: the reference reads both as getattr(config, name, False) by truthiness.
+        fc_norm=reference_value("fc_norm", text.get("fc_norm")),
+        norm_output=reference_value("norm_output", text.get("norm_output")),
         aux_layer_ids=None,
         aux_hidden_state_stream=None,
     )
-    if "num_aux_hidden_states" in text:
-        values["num_aux_hidden_states"] = text["num_aux_hidden_states"]
     return Eagle3DraftConfig(**values)
+
+
+def reference_value(name: str, value: Any) -> Any:
+    """A reference ``config.json`` value for :class:`Eagle3DraftConfig` field ``name``; null is never "our default".
+
+    Nullable fields (``q_lora_rank`` → a plain ``q_proj``, SiTU betas → no cap, token ids, …) keep None. A null flag
+    means off: the reference tests its flags by truthiness. Null anywhere else has no meaning, so it is refused
+    instead of being replaced by a default that may build a different draft.
+    """
+    if value is not None or name in NULLABLE_FIELDS:
+        return value
+    if name in FLAG_FIELDS:
+        return False
+    raise ValueError(f"reference config.json: {name} is null, but a K3 draft needs a value for it")
 
 
 def reference_vocab_permutation(d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:

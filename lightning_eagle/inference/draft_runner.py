@@ -90,10 +90,51 @@ def _softmax_attend(q, keys, values, scale, mask=None) -> torch.Tensor:
     return torch.matmul(probs, values)
 
 
-class DraftRunner:
-    """Incremental inference for a :class:`~lightning_eagle.draft.KimiK3Eagle3Draft` (batch rows share a length)."""
+def ensure_draft_embedding(draft, target=None) -> None:
+    """Never draft with a missing embedding. The draft's (frozen) embedding *is* the target's, so the serving export
+    omits it (§14.1) and ``load_pretrained`` leaves it NaN; fill it from ``target``'s ``embed_tokens.weight`` in place.
 
-    def __init__(self, draft) -> None:
+    Raises ``ValueError`` when it is not finite and cannot be filled: no target, shapes that differ, or an embedding
+    the draft trained (``freeze_embeddings`` false), for which the target's is no substitute.
+    """
+    weight = draft.embed_tokens.weight
+    if _all_finite(weight):
+        return
+    problem = "the draft's embedding is missing (NaN: its export omits the frozen embedding) or not finite"
+    if not draft.config.freeze_embeddings:
+        raise ValueError(
+            f"{problem}, and the draft trained its own embedding (freeze_embeddings=False), so the target's cannot "
+            "replace it; load the draft from an export that includes embed_tokens.weight"
+        )
+    if target is None:
+        raise ValueError(
+            f"{problem}; pass the target (DraftRunner(draft, target)) or call "
+            "draft.copy_embeddings_from(target.model.embed_tokens.weight) first"
+        )
+    source = target.model.embed_tokens.weight
+    if tuple(source.shape) != tuple(weight.shape):
+        raise ValueError(
+            f"{problem}, and the target's embed_tokens.weight {tuple(source.shape)} cannot fill it: the draft needs "
+            f"{tuple(weight.shape)} (vocab_size, hidden_size)"
+        )
+    draft.copy_embeddings_from(source)
+    if not _all_finite(weight):
+        raise ValueError(f"{problem}, and the target's embed_tokens.weight is not finite either")
+
+
+def _all_finite(weight: torch.Tensor, rows: int = 1 << 14) -> bool:
+    # Row blocks bound the temporary mask: the real embedding is 163840 × 7168.
+    return all(bool(torch.isfinite(block).all()) for block in weight.detach().split(rows))
+
+
+class DraftRunner:
+    """Incremental inference for a :class:`~lightning_eagle.draft.KimiK3Eagle3Draft` (batch rows share a length).
+
+    ``target`` (optional) fills a missing draft embedding (:func:`ensure_draft_embedding`); without it a missing one
+    raises."""
+
+    def __init__(self, draft, target=None) -> None:
+        ensure_draft_embedding(draft, target)
         self.draft = draft
         self.reset()
 

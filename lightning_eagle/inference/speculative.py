@@ -78,11 +78,12 @@ def as_prompt_tensor(prompt_ids, device: torch.device) -> torch.Tensor:
 
 
 def as_drafter(target, draft, aux_layer_ids: list[int] | None):
-    """``(drafter, aux_layer_ids, aux_stream)`` for a draft model or any object with the Drafter methods."""
+    """``(drafter, aux_layer_ids, aux_stream)`` for a draft model or any object with the Drafter methods. A draft
+    loaded without its frozen embedding gets the target's here (every entry point with both models passes here)."""
     if hasattr(draft, "midlayer") and hasattr(draft, "config"):
         check_draft_fits_target(target, draft)
         ids, stream = resolve_inference_aux(target, draft.config, aux_layer_ids)
-        return DraftRunner(draft), ids, stream
+        return DraftRunner(draft, target), ids, stream
     if all(hasattr(draft, name) for name in ("reset", "extend", "propose")):
         ids, stream = resolve_inference_aux(target, draft, aux_layer_ids)
         return draft, ids, stream

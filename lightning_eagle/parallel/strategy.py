@@ -54,8 +54,10 @@ class ExpertParallelStrategy(ModelParallelStrategy):
 
     Args:
         expert_parallel_size: ranks per expert-parallel group; must divide the world size and ``num_experts``.
-        target_dispatcher: ``"torch"`` (all-to-all over torch.distributed; gloo and NCCL), ``"deepep"`` or
-            ``"hybridep"`` (fail here unless usable — never replaced by torch).
+        target_dispatcher: ``"torch"`` (all-to-all over torch.distributed; gloo and NCCL; the only implemented
+            one). ``"deepep"`` / ``"hybridep"`` are reserved names that always fail at construction: with an
+            ImportError naming the package when it is missing, else NotImplementedError (no integration yet) —
+            never silently replaced by torch.
         tensor_parallel_size, context_parallel_size, pipeline_parallel_size, sequence_packing, target_backend,
             p_eagle, target_force_hf: accepted only at their supported values (1 / False / ``"colocated"``) so that
             a config asking for them fails loudly with the setting's name.

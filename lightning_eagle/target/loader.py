@@ -34,6 +34,7 @@ _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
 }  # fmt: skip
+_FLOAT_NAMES = "a floating-point dtype (BF16/F16/F32/F64)"  # plain (non-MXFP4) tensors
 
 
 class CheckpointError(ValueError):
@@ -54,7 +55,9 @@ def read_config(path: Path):
     try:
         return text_config_from_dict(data, source=str(config_file))
     except (TypeError, ValueError) as err:
-        raise CheckpointError(f"{config_file}: {err}") from None
+        message = str(err)  # text_config_from_dict names the file itself in some messages
+        prefixed = message if message.startswith(str(config_file)) else f"{config_file}: {message}"
+        raise CheckpointError(prefixed) from None
 
 
 class SafetensorsCheckpoint:
@@ -103,6 +106,10 @@ class SafetensorsCheckpoint:
         sl = handle.get_slice(key)
         return tuple(sl.get_shape()), _SAFETENSORS_DTYPES.get(sl.get_dtype())
 
+    def dtype_name(self, key: str) -> str:
+        """The stored safetensors dtype string (``"BF16"``, ``"I32"``, ``"F8_E4M3"``, …)."""
+        return self._open(self.files[key]).get_slice(key).get_dtype()
+
     def get(self, key: str) -> torch.Tensor:
         file = self.files[key]
         try:
@@ -111,10 +118,30 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{file}: cannot read tensor {key!r} ({err})") from None
 
 
+QUICKSTART_TARGET = Path(__file__).resolve().parents[1] / "assets" / "k3-tiny-chat"
+
+
+def named_target(target: str | Path) -> Path:
+    """``"quickstart"`` = the bundled tiny K3 that has learned the bundled corpus; anything else is a directory."""
+    return QUICKSTART_TARGET if str(target) == "quickstart" else Path(target).expanduser()
+
+
+def resolve_target_path(target: str | Path) -> Path:
+    """:func:`named_target`, checked to be a checkpoint folder (``FileNotFoundError`` naming the path if not)."""
+    path = named_target(target)
+    if not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no config.json"
+        raise FileNotFoundError(
+            f"target checkpoint {str(path)!r} {what} (expected a K3 checkpoint folder: config.json + *.safetensors, "
+            "or 'quickstart' for the bundled tiny K3)"
+        )
+    return path
+
+
 def load_k3_checkpoint(
     cls, path, dtype=torch.bfloat16, device="cpu", expert_range=None, kda_backend="auto", expert_storage="dequantized"
 ):
-    path = Path(path)
+    path = named_target(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
     config = read_config(path)
@@ -142,7 +169,7 @@ class StateLoader:
         experts = {n for n, m in self.model.named_modules() if isinstance(m, RoutedExperts)}
         plain = {n: p for n, p in self.model.named_parameters() if n.rpartition(".")[0] not in experts}
         expert_keys = defaultdict(dict)  # experts module name → {(e, w): {kind: ckpt key}}
-        missing, unexpected, bad_shape = [], list(self.foreign), []
+        missing, unexpected, bad_shape, bad_dtype = [], list(self.foreign), [], []
         for name, key in self.names.items():
             m = _EXPERT_KEY.match(name)
             if m:
@@ -156,7 +183,9 @@ class StateLoader:
                 missing.append(self.prefix + name)
                 continue
             key = self.names[name]
-            shape, _ = self.ckpt.meta(key)
+            shape, dtype = self.ckpt.meta(key)
+            if dtype is None or not dtype.is_floating_point:
+                bad_dtype.append(f"{self.where(key)}: expected {_FLOAT_NAMES}, got {self.ckpt.dtype_name(key)}")
             expected = tuple(p.shape)
             if name.endswith("A_log"):
                 expected = (math.ceil(p.shape[0] / 128) * 128,)
@@ -183,9 +212,12 @@ class StateLoader:
                             "plain weights (load with expert_storage='dequantized')"
                         )
                     elif "weight" in kinds:
-                        got, _ = self.ckpt.meta(kinds["weight"])
+                        got, dtype = self.ckpt.meta(kinds["weight"])
                         if got != shape:
                             bad_shape.append(f"{self.where(kinds['weight'])}: expected {shape}, got {got}")
+                        if dtype is None or not dtype.is_floating_point:
+                            name = self.ckpt.dtype_name(kinds["weight"])
+                            bad_dtype.append(f"{self.where(kinds['weight'])}: expected {_FLOAT_NAMES}, got {name}")
                     elif "weight_packed" in kinds and "weight_scale" in kinds:
                         got_p, dt_p = self.ckpt.meta(kinds["weight_packed"])
                         got_s, dt_s = self.ckpt.meta(kinds["weight_scale"])
@@ -209,6 +241,8 @@ class StateLoader:
             problems.append(f"unexpected {len(unexpected)} key(s): {_short(unexpected)}")
         if bad_shape:
             problems.append(f"mis-shaped {len(bad_shape)} tensor(s): {_short(bad_shape)}")
+        if bad_dtype:
+            problems.append(f"wrong dtype for {len(bad_dtype)} tensor(s): {_short(bad_dtype)}")
         if problems:
             files = sorted({f.name for f in self.ckpt.files.values()})
             raise CheckpointError(

@@ -120,7 +120,8 @@ class KimiK3ForCausalLM(nn.Module):
         expert_storage: str = "dequantized",
     ) -> KimiK3ForCausalLM:
         """Load a released-layout checkpoint directory (outer VLM or bare text ``config.json``; single or sharded
-        safetensors; MXFP4 or plain experts). Returns the model frozen and in eval mode.
+        safetensors; MXFP4 or plain experts), or ``"quickstart"`` (the bundled tiny K3). Returns the model frozen and
+        in eval mode.
 
         ``expert_storage="mxfp4"`` keeps routed experts MXFP4-packed in memory (decoded per expert in the forward);
         ``"dequantized"`` decodes them once to ``dtype`` at load."""

@@ -18,12 +18,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lightning_eagle.target.loader import QUICKSTART_TARGET
 from lightning_eagle.target.model import KimiK3ForCausalLM
 from lightning_eagle.target.mxfp4 import decode_mxfp4, encode_mxfp4
 from lightning_eagle.target.presets import config_from_name
 from lightning_eagle.target.writer import save_k3_checkpoint
-
-QUICKSTART_TARGET = Path(__file__).resolve().parents[1] / "assets" / "k3-tiny-chat"
 
 
 def next_token_loss(model: KimiK3ForCausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor):

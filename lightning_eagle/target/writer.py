@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from lightning_eagle.atomic import atomic_dir
 from lightning_eagle.target.loader import TEXT_PREFIX
 from lightning_eagle.target.mxfp4 import encode_mxfp4
 
@@ -105,10 +103,7 @@ def save_k3_checkpoint(
             "text_config": text,
             "vision_config": {},
         }
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint directory should be readable like any other
-    try:
+    with atomic_dir(out_dir, overwrite=True) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
         keys = sorted(state)
         if num_shards <= 1:
@@ -124,10 +119,4 @@ def save_k3_checkpoint(
             total = sum(t.numel() * t.element_size() for t in state.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

@@ -11,10 +11,16 @@ from lightning_eagle.draft.export import export_draft
 
 class ExportDraftCallback(pl.Callback):
     """At the end of ``fit``, export the best checkpoint's draft (by the ``ModelCheckpoint`` monitor, e.g.
-    ``val/tau_sim``) — or the current weights when there is none — to ``out_dir`` (atomic, overwrites)."""
+    ``val/tau_sim``) — or the current weights when there is none — to ``out_dir`` (atomic, overwrites).
 
-    def __init__(self, out_dir: str = "draft_export", use_best: bool = True, dtype: str | None = None) -> None:
-        self.out_dir, self.use_best, self.dtype = Path(out_dir), use_best, dtype
+    ``out_dir=None`` (default) = ``<trainer.default_root_dir>/draft``, so a run's outputs stay together.
+    """
+
+    def __init__(self, out_dir: str | None = None, use_best: bool = True, dtype: str | None = None) -> None:
+        self.out_dir, self.use_best, self.dtype = (Path(out_dir) if out_dir else None), use_best, dtype
+
+    def resolved_out_dir(self, trainer: pl.Trainer) -> Path:
+        return self.out_dir if self.out_dir is not None else Path(trainer.default_root_dir) / "draft"
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module) -> None:
         import torch
@@ -26,7 +32,7 @@ class ExportDraftCallback(pl.Callback):
         if best and Path(best).is_file():
             source = best
         dtype = getattr(torch, self.dtype) if self.dtype else None
-        path = export_draft(source, self.out_dir, dtype=dtype, overwrite=True)
+        path = export_draft(source, self.resolved_out_dir(trainer), dtype=dtype, overwrite=True)
         print(
             f"exported the draft ({'best checkpoint ' + Path(best).name if source is not pl_module else 'final'}"
             f" weights) to {path}"

@@ -14,18 +14,20 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 
+from lightning_eagle.checkpoint_io import AtomicCheckpointIO
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
 from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY
 from lightning_eagle.parallel.validate import validate_layout, validate_target_config
 from lightning_eagle.target.config import text_config_from_dict
+from lightning_eagle.target.loader import resolve_target_path
 from lightning_eagle.target.model import KimiK3ForCausalLM
-from lightning_eagle.target.pretrain import QUICKSTART_TARGET
 from lightning_eagle.training.loss import soft_cross_entropy
 from lightning_eagle.training.loss import step_weights as default_step_weights
 from lightning_eagle.training.metrics import TTTMetrics
@@ -39,14 +41,41 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TARGET_FINGERPRINT_KEY = "eagle_target_fingerprint"
+RNG_STATES_KEY = "eagle_rng_states"
+# Draft-config fields that are module arguments: the module's value is the only one (no second spelling in `draft`).
+MODULE_DRAFT_FIELDS = {
+    "ttt_steps": "ttt_steps",
+    "step_decay": "step_decay",
+    "aux_layer_ids": "aux_layer_ids",
+    "aux_hidden_state_stream": "aux_stream",
+    "draft_vocab_size": "data.draft_vocab_size (the data module builds the vocabulary map)",
+}
 
 
-def resolve_target_path(target: str) -> Path:
-    """``"quickstart"`` = the bundled tiny K3 that has learned the bundled corpus; anything else is a directory."""
-    path = QUICKSTART_TARGET if target == "quickstart" else Path(target).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"target checkpoint {str(path)!r} has no config.json (expected a K3 checkpoint dir)")
-    return path
+def rng_states_to_checkpoint(states: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's RNG states with numpy's key array as a tensor, so ``torch.load(weights_only=True)`` reads them."""
+    out = dict(states)
+    if "numpy" in out:
+        name, keys, pos, has_gauss, gauss = out["numpy"]
+        out["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss))
+    return out
+
+
+def rng_states_from_checkpoint(states: dict[str, Any]) -> dict[str, Any]:
+    out = dict(states)
+    if "numpy" in out:
+        name, keys, pos, has_gauss, gauss = out["numpy"]
+        out["numpy"] = (name, keys.numpy().astype("uint32"), pos, has_gauss, gauss)
+    return out
+
+
+def _refuse_second_spelling(draft: dict[str, Any] | None) -> None:
+    doubled = sorted(set(draft or {}) & set(MODULE_DRAFT_FIELDS))
+    if doubled:
+        where = "; ".join(f"draft.{k} → set {MODULE_DRAFT_FIELDS[k]} instead" for k in doubled)
+        raise ValueError(
+            f"draft={{…}} repeats a setting that has its own argument ({where}): a setting has one source of truth"
+        )
 
 
 class Eagle3Module(pl.LightningModule):
@@ -108,6 +137,7 @@ class Eagle3Module(pl.LightningModule):
             sequence_packing=sequence_packing, target_backend=target_backend, p_eagle=p_eagle,
             target_force_hf=target_force_hf,
         )  # fmt: skip
+        _refuse_second_spelling(draft)
         self.target_path = resolve_target_path(target)
         self.aux_layer_ids = aux_layer_ids
         config_text = (self.target_path / "config.json").read_text()
@@ -127,8 +157,8 @@ class Eagle3Module(pl.LightningModule):
     def _draft_config(self, draft_vocab_size: int | None) -> Eagle3DraftConfig:
         hp = self.hparams
         overrides = dict(hp.draft or {})
-        overrides.setdefault("ttt_steps", hp.ttt_steps)
-        overrides.setdefault("step_decay", hp.step_decay)
+        overrides["ttt_steps"] = hp.ttt_steps
+        overrides["step_decay"] = hp.step_decay
         overrides["draft_vocab_size"] = draft_vocab_size
         overrides["aux_hidden_state_stream"] = hp.aux_stream
         if hp.aux_layer_ids is not None:
@@ -189,6 +219,9 @@ class Eagle3Module(pl.LightningModule):
                 f"trainer precision {precision!r} would cast the whole module, destroying the target's fp32 "
                 "parameters and MXFP4 scales; use precision='32-true' with draft_dtype='bfloat16', or 'bf16-mixed'"
             )
+        strategy = self.trainer.strategy
+        if type(strategy.checkpoint_io) is TorchCheckpointIO:  # the default: a kill during a save truncates the file
+            strategy.checkpoint_io = AtomicCheckpointIO()
 
     # ---- research hooks -------------------------------------------------------------------------------------------
     def compute_teacher(self, draft, loss_mask, **sources) -> Teacher:
@@ -369,8 +402,14 @@ class Eagle3Module(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_CONFIG_KEY] = self.draft_config.to_dict()
         checkpoint[TARGET_FINGERPRINT_KEY] = self.target_fingerprint
+        # Rank 0's generators (the only checkpoint written): resumed ranks continue from the same random streams.
+        checkpoint[RNG_STATES_KEY] = rng_states_to_checkpoint(
+            _collect_rng_states(include_cuda=torch.cuda.is_available())
+        )
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if RNG_STATES_KEY in checkpoint and self._trainer is not None and self.trainer.state.fn == "fit":
+            _set_rng_states(rng_states_from_checkpoint(checkpoint[RNG_STATES_KEY]))
         saved = checkpoint.get(TARGET_FINGERPRINT_KEY)
         if saved is not None and saved != self.target_fingerprint:
             raise ValueError(

@@ -11,17 +11,6 @@ import pytest
 # Chat spec §3.5: no tiktoken cache for the whole run (our loader never uses it; this guards third-party paths).
 os.environ["TIKTOKEN_CACHE_DIR"] = ""
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-GOLDEN_DIR = REPO_ROOT.parent / "shared" / "golden"
-
-
-@pytest.fixture(scope="session")
-def golden_dir() -> Path:
-    """``../shared/golden`` next to the repository root; skipped only when the folder is absent."""
-    if not GOLDEN_DIR.is_dir():
-        pytest.skip(f"golden folder {GOLDEN_DIR} is absent (CI provides ../shared/golden next to the repo root)")
-    return GOLDEN_DIR
-
 
 @pytest.fixture(scope="session")
 def golden_chats(golden_dir: Path) -> dict:

@@ -6,12 +6,7 @@ from pathlib import Path
 
 import pytest
 
-GOLDEN = Path(__file__).resolve().parents[2].parent / "shared" / "golden"
-
 
 @pytest.fixture
-def golden_draft_dir() -> Path:
-    path = GOLDEN / "draft"
-    if not path.is_dir():
-        pytest.skip(f"golden files not found at {path} (the shared/golden folder next to the repo root)")
-    return path
+def golden_draft_dir(golden_dir: Path) -> Path:
+    return golden_dir / "draft"

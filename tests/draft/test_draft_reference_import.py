@@ -68,7 +68,9 @@ def test_frequency_order_is_sorted_on_import(make_draft, make_batch, tmp_path):
     ref_selected = torch.arange(72) + ref_state["d2t"]
     full_ours = torch.full((*ours.shape[:-1], 256), float("nan")).index_copy(-1, loaded.selected_token_ids, ours)
     full_theirs = torch.full((*ours.shape[:-1], 256), float("nan")).index_copy(-1, ref_selected, theirs)
-    assert torch.equal(full_ours.nan_to_num(), full_theirs.nan_to_num())
+    # Their lm_head rows are permuted, so each logit comes from another GEMM column (and another weight buffer):
+    # fp32 tolerance on the values, exact NaN positions (= the same selected target ids).
+    torch.testing.assert_close(full_ours, full_theirs, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
 def test_reexport_needs_aux_ids(make_draft, tmp_path):

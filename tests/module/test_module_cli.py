@@ -62,8 +62,9 @@ def test_fit_validate_and_export(target_dir, tmp_path):
     assert torch.equal(draft.fc.weight, state["draft.fc.weight"])
     assert torch.equal(draft.d2t, state["draft.d2t"])
     assert draft.config.aux_layer_ids == [1, 3, 5]
-    with pytest.raises(FileExistsError):
+    with pytest.raises(SystemExit) as exit_info:  # a user error: one line on stderr, status 1
         main(["export", str(ckpt), str(out)])
+    assert exit_info.value.code == 1
 
 
 def test_real_k3_config_parses(capsys):

@@ -48,5 +48,7 @@ def test_non_k3_target_is_refused(tmp_path, target_dir, no_weight_reads):
 
 
 def test_missing_target_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="has no config.json"):
+    with pytest.raises(FileNotFoundError, match="nowhere' does not exist .expected a K3 checkpoint folder"):
         Eagle3Module(**module_kwargs(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        Eagle3Module(**module_kwargs(tmp_path))

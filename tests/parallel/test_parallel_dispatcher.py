@@ -67,12 +67,15 @@ def _compare(rank, world, counts, dtype):
 )
 def test_dispatchers_equal_one_process_with_uneven_token_counts(counts, dtype):
     results = launch_local(_compare, len(counts), counts, dtype)
+    # An expert GEMM sees other row counts here than in one process (tokens of every rank): bf16 outputs may round
+    # the other way on some CPUs (≤ 1 bf16 ulp, ~4e-3 at these magnitudes), hence bf16 tolerances for bf16 experts.
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1.6e-2}
     for rank, out in enumerate(results):
         ref = out["one_process"]
         assert ref.shape == (counts[rank], D)
         for name in ("all_to_all", "all_gather"):
             assert out[name].dtype == torch.float32 and out[name].shape == ref.shape, name  # fp32 combine
-            torch.testing.assert_close(out[name], ref, atol=1e-6, rtol=1e-5, msg=f"{name} rank {rank}")
+            torch.testing.assert_close(out[name], ref, **tol, msg=f"{name} rank {rank}")
         if counts[rank]:
             assert ref.abs().max() > 0.1  # not a vacuous comparison of zeros
 

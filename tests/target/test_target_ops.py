@@ -22,6 +22,7 @@ def test_rmsnorm_fp32_variance_and_cast_before_weight():
     got = norm_bf16(x)
     x32 = x.float()
     ref = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    # exact: ref is the same op sequence on the same shapes; the contract is the bf16 rounding order itself
     assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
     wrong_weight_in_fp32 = (w.float() * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
     var_bf16 = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
@@ -74,6 +75,7 @@ def test_mla_causal_and_scale():
     y = attn(x)
     x2 = x.clone()
     x2[:, 7:] += torch.randn_like(x2[:, 7:])
+    # exact: same shapes, and future keys enter slots < 7 only as exact zeros (masked softmax weights)
     torch.testing.assert_close(attn(x2)[:, :7], y[:, :7], rtol=0, atol=0)
 
 
@@ -82,7 +84,7 @@ def test_mla_rope_slice_shared_and_unnormalised():
     x = torch.randn(1, 5, 128)
     q, k, v = attn.project(x)
     k_rot = k[..., 16:]
-    assert torch.equal(k_rot, k_rot[:, :1].expand_as(k_rot))
+    assert torch.equal(k_rot, k_rot[:, :1].expand_as(k_rot))  # exact: one slice broadcast to every head
     raw_rot = attn.kv_a_proj_with_mqa(x)[..., 32:]
     torch.testing.assert_close(k_rot[:, 0], raw_rot)
 

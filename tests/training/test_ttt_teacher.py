@@ -23,6 +23,7 @@ def test_renormalised_over_selected_columns():
     lm = torch.ones(2, 9, dtype=torch.long)
     teacher = teacher_from_logits(logits, selected, t2d, lm)
     torch.testing.assert_close(teacher.probs.sum(-1), torch.ones(2, 9))
+    # exact: the same softmax over the same gathered columns (a gather copies values)
     torch.testing.assert_close(teacher.probs, torch.softmax(logits[..., selected], -1), rtol=0, atol=0)
     assert teacher.probs.dtype == torch.float32 and not teacher.probs.requires_grad
     assert torch.equal(teacher.top, logits.argmax(-1))
@@ -44,21 +45,25 @@ def test_out_of_vocabulary_greedy_token_is_not_supervised():
 def test_chunked_equals_full(dtype):
     g = torch.Generator().manual_seed(3)
     selected, t2d = vocab()
-    hidden = torch.randn(2, 11, 128, generator=g).to(dtype)
-    weight = torch.randn(256, 128, generator=g).to(dtype)
+    # Multiples of 1/16 in [-1/2, 1/2]: every product and partial sum is exact in fp32, so no GEMM tiling can change a
+    # logit (bf16 still rounds ~20% of them) and the argmax comparisons below are exact on any CPU, ties included.
+    hidden = (torch.randint(-8, 9, (2, 11, 128), generator=g) / 16).to(dtype)
+    weight = (torch.randint(-8, 9, (256, 128), generator=g) / 16).to(dtype)
     lm = (torch.rand(2, 11, generator=g) > 0.3).long()
     full = teacher_from_logits(F.linear(hidden, weight), selected, t2d, lm)
     chunked = teacher_from_hidden(hidden, weight, selected, t2d, lm, vocab_chunk=37, seq_chunk=5)  # 37 ∤ 256
     assert torch.equal(chunked.top, full.top)
     assert torch.equal(chunked.pos, full.pos)
-    torch.testing.assert_close(chunked.probs, full.probs, rtol=1e-5, atol=1e-6)  # GEMM tiling may differ
+    torch.testing.assert_close(chunked.probs, full.probs, rtol=1e-5, atol=1e-6)  # softmax over other shapes
 
 
 def test_chunked_argmax_keeps_the_first_index_across_chunks():
     selected, t2d = vocab()
-    weight = torch.randn(256, 16) * 0.01
-    hidden = torch.randn(1, 3, 16)
-    weight[40] = weight[200] = hidden[0, 1] * 10  # an exact tie at ids 40 and 200, in different chunks
+    # Small integers: the dot products are exact in any summation order, so the tie survives every GEMM tiling.
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randint(-1, 2, (256, 16), generator=g).float()
+    hidden = torch.randint(1, 4, (1, 3, 16), generator=g).float()
+    weight[40] = weight[200] = hidden[0, 1] * 10  # an exact tie at ids 40 and 200 (10·|h|² > |h|₁), in different chunks
     teacher = teacher_from_hidden(hidden, weight, selected, t2d, torch.ones(1, 3), vocab_chunk=64)
     assert int(teacher.top[0, 1]) == 40 == int(F.linear(hidden, weight).argmax(-1)[0, 1])
 
@@ -70,6 +75,9 @@ def test_compute_teacher_sources(make_draft):
     lm = torch.ones(2, 7)
     a = compute_teacher(draft, lm, target_logits=F.linear(hidden, weight))
     b = compute_teacher(draft, lm, final_hidden=hidden, lm_head_weight=weight, vocab_chunk=100)
+    # The argmax runs through other GEMM shapes in a and b: exact only because no row has a near tie.
+    best = F.linear(hidden, weight).topk(2, -1).values
+    assert (best[..., 0] - best[..., 1]).min() > 1e-3
     assert torch.equal(a.top, b.top) and torch.equal(a.pos, b.pos)
     torch.testing.assert_close(a.probs, torch.softmax(F.linear(hidden, weight)[..., draft.selected_token_ids], -1))
     with pytest.raises(ValueError, match="exactly one"):
