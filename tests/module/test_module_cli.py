@@ -76,3 +76,32 @@ def test_real_k3_config_parses(capsys):
     assert strategy["init_args"]["expert_parallel_size"] == 64
     assert printed["model"]["ttt_steps"] == 7 and printed["data"]["draft_vocab_size"] == 32000
     assert printed["model"]["draft_dtype"] == "bfloat16" and printed["trainer"]["precision"] == "32-true"
+
+
+def test_help_lists_every_subcommand_including_export(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for word in ("fit", "validate", "test", "predict", "export"):
+        assert f"\n    {word} " in out, word
+
+
+def test_user_error_is_one_line_with_the_fix_and_status_1(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(tmp_path / "missing.ckpt"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "Traceback" not in err
+    assert err.startswith("error: export source") and "--debug" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_step_progress_label():
+    from types import SimpleNamespace
+
+    from lightning_eagle.training.progress import StepProgressBar
+
+    bar = StepProgressBar()
+    bar._trainer = SimpleNamespace(max_steps=150, global_step=20, max_epochs=-1)
+    assert bar._get_train_description(0).strip() == "Epoch 0 · step 20/150"  # never "Epoch 0/-2"
+    bar._trainer = SimpleNamespace(max_steps=-1, global_step=20, max_epochs=3)
+    assert bar._get_train_description(1).strip() == "Epoch 1/2"

@@ -32,6 +32,12 @@ def no_weight_reads(monkeypatch):
         ({"aux_layer_ids": None}, ValueError, "pass aux_layer_ids"),
         ({"draft": {"num_key_value_heads": 2}}, ValueError, "one K/V head per query head"),
         ({"draft": {"mla_use_nope": False}}, ValueError, "mla_use_nope"),
+        # One source of truth: a module argument repeated inside `draft` is an error naming both spellings.
+        ({"draft": {"ttt_steps": 4}}, ValueError, "draft.ttt_steps → set ttt_steps instead"),
+        ({"draft": {"aux_layer_ids": [1, 2, 3]}}, ValueError, "draft.aux_layer_ids → set aux_layer_ids instead"),
+        ({"draft": {"step_decay": 0.5}}, ValueError, "draft.step_decay → set step_decay instead"),
+        ({"draft": {"aux_hidden_state_stream": "mixed"}}, ValueError, "draft.aux_hidden_state_stream → set aux_stream"),
+        ({"draft": {"draft_vocab_size": 64}}, ValueError, "draft.draft_vocab_size → set data.draft_vocab_size"),
     ],
 )
 def test_refusals_before_any_weight_is_read(target_dir, no_weight_reads, overrides, exc, fragment):
@@ -52,3 +58,8 @@ def test_missing_target_is_named(tmp_path):
         Eagle3Module(**module_kwargs(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         Eagle3Module(**module_kwargs(tmp_path))
+
+
+def test_ttt_steps_reaches_draft_and_metrics(target_dir):
+    module = Eagle3Module(**module_kwargs(target_dir, ttt_steps=4))
+    assert module.draft_config.ttt_steps == 4 and module.train_metrics.ttt_steps == module.val_metrics.ttt_steps == 4

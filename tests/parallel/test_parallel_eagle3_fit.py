@@ -289,3 +289,59 @@ def test_rank0_draft_returns_to_the_main_process(runs):
     r0 = runs["ep2"][0]
     assert r0["main_error"] is None, repr(r0["main_error"])
     _assert_draft_close(r0["main_draft"], r0["draft"], atol=0, rtol=0)
+
+
+# ---- mid-epoch resume under expert parallelism -----------------------------------------------------------------------
+MID_STEPS, MID_EVERY = 4, 2
+
+
+def _fit_steps(golden_dir, data, out_dir: Path, devices: int, accumulate: int, ckpt_path=None):
+    """One epoch bounded by ``max_steps`` (the real config's shape: one long epoch, periodic checkpoints)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    module = Eagle3Module(**module_kwargs(golden_dir))
+    every = ModelCheckpoint(dirpath=out_dir, filename="{step}", every_n_train_steps=MID_EVERY, save_top_k=-1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, max_steps=MID_STEPS, max_epochs=1, accumulate_grad_batches=accumulate,
+        strategy=ExpertParallelStrategy(expert_parallel_size=devices, start_method="fork"),
+        limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(out_dir), callbacks=[OneThread(), Report(out_dir), every],
+    )  # fmt: skip
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return [_load(out_dir / f"rank{r}.pt") for r in range(devices)]
+
+
+@pytest.fixture(scope="module")
+def mid_epoch_runs(golden_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep_mid_epoch")
+    data = IndexedChatData(**DATA_KWARGS)
+    data.setup("fit")
+    full = _fit_steps(golden_dir, data, tmp / "full", devices=2, accumulate=1)
+    ckpt = tmp / "full" / f"step={MID_EVERY}.ckpt"
+    return {
+        "full": full,
+        "ckpt": _load(ckpt),
+        "ep2": _fit_steps(golden_dir, IndexedChatData(**DATA_KWARGS), tmp / "ep2", 2, 1, ckpt_path=ckpt),
+        "one": _fit_steps(golden_dir, IndexedChatData(**DATA_KWARGS), tmp / "one", 1, 2, ckpt_path=ckpt),
+    }
+
+
+def test_mid_epoch_checkpoint_records_the_world_position(mid_epoch_runs):
+    position = mid_epoch_runs["ckpt"]["IndexedChatData"]["train_position"]
+    assert position["epoch"] == 0 and position["consumed"] == MID_EVERY * 2  # 2 steps × 1 row × 2 ranks
+
+
+def test_two_rank_ep_resume_mid_epoch_equals_the_uninterrupted_run(mid_epoch_runs):
+    full, ep2 = mid_epoch_runs["full"], mid_epoch_runs["ep2"]
+    for rank in range(2):  # each rank trains on exactly the rows the uninterrupted rank saw after step 2
+        assert ep2[rank]["seen"] == full[rank]["seen"][MID_EVERY:]
+        assert ep2[rank]["global_step"] == full[rank]["global_step"] == MID_STEPS
+    _assert_draft_close(ep2[0]["draft"], full[0]["draft"])
+    _assert_adam_state_close(ep2[0]["optimizer"], full[0]["optimizer"], atol=1e-7, rtol=1e-5)
+
+
+def test_ep_mid_epoch_checkpoint_resumes_on_one_rank(mid_epoch_runs):
+    full, one = mid_epoch_runs["full"], mid_epoch_runs["one"]
+    # One rank with accumulation 2 trains on rank 0's and rank 1's rows of each step, in that order.
+    expected = [i for step in zip(full[0]["seen"][MID_EVERY:], full[1]["seen"][MID_EVERY:]) for i in step]
+    assert one[0]["seen"] == expected
+    _assert_draft_close(one[0]["draft"], full[0]["draft"])

@@ -214,3 +214,8 @@ def test_mxfp4_storage_refuses_plain_experts(source, tmp_path):
     plain = save_k3_checkpoint(source, tmp_path / "plain", mxfp4=False)
     with pytest.raises(CheckpointError, match="expert_storage='mxfp4' needs MXFP4 experts"):
         KimiK3ForCausalLM.from_pretrained(plain, expert_storage="mxfp4")
+
+
+def test_quickstart_name_loads_the_bundled_target():
+    model = KimiK3ForCausalLM.from_pretrained("quickstart", dtype=torch.float32)
+    assert model.config.vocab_size == 512 and not any(p.requires_grad for p in model.parameters())
