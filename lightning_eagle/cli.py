@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import sys
+from pathlib import Path
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 
+from lightning_eagle.checkpoint_io import CheckpointLoadError, load_checkpoint_file
 from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.data.datamodule import ChatDataModule
 from lightning_eagle.training.module import Eagle3Module
@@ -40,6 +43,19 @@ class Eagle3CLI(LightningCLI):
         # Listed in --help; `main` runs it before LightningCLI parses anything (it is not a Trainer method).
         export = argparse.ArgumentParser(prog="export", add_help=False)
         parser._subcommands_action.add_subcommand("export", export, help="Write a trained draft for serving")
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI torch.loads --ckpt_path itself (for its hyperparameters) before any checkpoint IO of ours:
+        # a truncated file would end in a torch traceback. Diagnose it with our reader instead. A missing file is
+        # refused here too, before the run writes its config and logs.
+        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
+        if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry") and not Path(ckpt_path).exists():
+            raise CheckpointLoadError(f"checkpoint {str(ckpt_path)!r} does not exist")
+        try:
+            super()._parse_ckpt_path()
+        except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+            load_checkpoint_file(ckpt_path, weights_only=True)  # raises CheckpointLoadError naming the file
+            raise exc
 
     def instantiate_trainer(self, **kwargs):
         """The step-counting progress bar unless the config disables the bar or brings its own."""
