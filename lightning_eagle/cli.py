@@ -1,5 +1,6 @@
-"""Command line: ``lightning-eagle {fit,validate,test,predict} --config …`` (LightningCLI) and
-``lightning-eagle export CHECKPOINT OUT_DIR`` (serving export of a trained draft).
+"""Command line: ``lightning-eagle {fit,validate,test,predict} --config …`` (LightningCLI),
+``lightning-eagle export CHECKPOINT OUT_DIR`` (serving export of a trained draft) and
+``lightning-eagle dump --config …`` (the target's features, stored once for offline training).
 
 * ``--config quickstart`` (or ``kimi_k3_eagle3``) names a config shipped inside the package.
 * Everything a run writes lives under ``trainer.default_root_dir`` unless a path is set explicitly: checkpoints in
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
@@ -29,6 +31,7 @@ from lightning_eagle.training.progress import StepProgressBar
 from lightning_eagle.training.summary import fit_summary
 
 DEBUG_ENV = "LIGHTNING_EAGLE_DEBUG"
+_CHAT_DATA = "lightning_eagle.data.datamodule.ChatDataModule"
 # Errors that mean "the input is wrong", not "the library is broken": shown as one line without a traceback.
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
                PermissionError, MisconfigurationException)  # fmt: skip
@@ -36,13 +39,19 @@ USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, IsADire
 
 class Eagle3CLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
-        parser.set_defaults({"trainer.precision": "32-true"})
+        # `data:` is a ChatDataModule unless it names another class (HiddenStateDataModule for dumped features).
+        parser.set_defaults({"trainer.precision": "32-true", "data": {"class_path": _CHAT_DATA}})
 
     def _add_subcommands(self, parser, **kwargs) -> None:
         super()._add_subcommands(parser, **kwargs)
         # Listed in --help; `main` runs it before LightningCLI parses anything (it is not a Trainer method).
-        export = argparse.ArgumentParser(prog="export", add_help=False)
-        parser._subcommands_action.add_subcommand("export", export, help="Write a trained draft for serving")
+        extra = {
+            "export": "Write a trained draft for serving",
+            "dump": "Store the frozen target's features once, to train drafts without it",
+        }
+        for name, text in extra.items():
+            stub = argparse.ArgumentParser(prog=name, add_help=False)
+            parser._subcommands_action.add_subcommand(name, stub, help=text)
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI torch.loads --ckpt_path itself (for its hyperparameters) before any checkpoint IO of ours:
@@ -68,7 +77,8 @@ class Eagle3CLI(LightningCLI):
     def after_instantiate_classes(self) -> None:
         """Put the outputs a config leaves unset under ``trainer.default_root_dir``."""
         trainer, root = self.trainer, self.trainer.default_root_dir
-        configured_logger = self.config[self.subcommand]["trainer"].get("logger")
+        config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand
+        configured_logger = config["trainer"].get("logger")
         if configured_logger in (None, True) and trainer.loggers:  # Lightning's default logger: make it CSV
             trainer.loggers = [CSVLogger(root, name="logs")]
         for callback in trainer.callbacks:
@@ -104,6 +114,43 @@ def export_main(argv: list[str]) -> None:
     print(f"exported {args.checkpoint} to {path}")
 
 
+def dump_main(words: list[str], from_sys_argv: bool) -> None:
+    """``dump --config … [--out DIR]``: the config's target, taps and data; Lightning ``predict`` with a writer."""
+    from lightning_eagle.features import format as fmt
+    from lightning_eagle.features.dump import dump_features
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-eagle dump",
+        description="Run the frozen target once over the config's data and store its EAGLE-3 features "
+        "(then train with target_source: features, e.g. configs/quickstart_offline.yaml). Other options "
+        "(--config, --trainer.*, --model.*, --data.*) are read as for fit.",
+    )
+    parser.add_argument("--out", default=None, help="features folder (default: <trainer.default_root_dir>/features)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(fmt.DTYPES), help="storage dtype of the states")
+    parser.add_argument("--hidden-states", default="prenorm", choices=fmt.HIDDEN_KINDS,
+                        help="final hidden before (default) or after the final norm")  # fmt: skip
+    parser.add_argument("--shard-rows", type=int, default=256, help="rows per shard file")
+    args, rest = parser.parse_known_args(words)
+    cli = _make_cli(_resolve_packaged_configs(rest), from_sys_argv, run=False)
+    if not isinstance(cli.datamodule, ChatDataModule):
+        raise ValueError(
+            f"dump reads chats through ChatDataModule, the config's data is {type(cli.datamodule).__name__}"
+        )
+    trainer = cli.trainer
+    out = Path(args.out) if args.out else Path(trainer.default_root_dir) / "features"
+    dump_features(cli.model, cli.datamodule, out, trainer, dtype=args.dtype, hidden_states=args.hidden_states,
+                  shard_rows=args.shard_rows)  # fmt: skip
+
+
+def _make_cli(words: list[str], from_sys_argv: bool, run: bool = True) -> Eagle3CLI:
+    if from_sys_argv:  # LightningCLI warns when given `args` while sys.argv has arguments too
+        sys.argv[1:] = words
+    return Eagle3CLI(
+        Eagle3Module, LightningDataModule, subclass_mode_data=True, run=run, args=None if from_sys_argv else words,
+        save_config_kwargs={"overwrite": True},
+    )  # fmt: skip
+
+
 def _resolve_packaged_configs(words: list[str]) -> list[str]:
     out = list(words)
     for i, word in enumerate(out):
@@ -117,11 +164,9 @@ def _resolve_packaged_configs(words: list[str]) -> list[str]:
 def _run(words: list[str], from_sys_argv: bool) -> None:
     if words and words[0] == "export":
         return export_main(words[1:])
-    words = _resolve_packaged_configs(words)
-    if from_sys_argv:  # LightningCLI warns when given `args` while sys.argv has arguments too
-        sys.argv[1:] = words
-    Eagle3CLI(Eagle3Module, ChatDataModule, args=None if from_sys_argv else words,
-              save_config_kwargs={"overwrite": True})  # fmt: skip
+    if words and words[0] == "dump":
+        return dump_main(words[1:], from_sys_argv)
+    _make_cli(_resolve_packaged_configs(words), from_sys_argv)
 
 
 def main(argv: list[str] | None = None) -> None:

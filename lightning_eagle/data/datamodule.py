@@ -22,7 +22,7 @@ from lightning_eagle.data.loss_mask import (
     get_loss_mask_recovery_by_name,
 )
 from lightning_eagle.data.render_k3 import validate_render_options
-from lightning_eagle.data.sampler import EpochShuffleSampler, ResumableDataLoader
+from lightning_eagle.data.sampler import ResumableDataLoader, ResumableTrainLoader
 from lightning_eagle.data.synthetic_corpus import bundled_sample_path
 from lightning_eagle.data.tokenizer import KimiTokenizer, resolve_tokenizer
 from lightning_eagle.data.vocab_map import VocabMapping, build_vocab_mapping, vocab_map_fingerprint
@@ -56,7 +56,7 @@ class _Collate:
         return collate_chat_rows(rows, self.pad_token_id, self.pad_to)
 
 
-class ChatDataModule(pl.LightningDataModule):
+class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
     """Chat conversations (JSONL/JSON) or pre-tokenized rows -> ``input_ids``, ``attention_mask``, ``loss_mask``.
 
     Rows are rendered in K3 XTML (generation prompt off), cut to ``max_length``, masked by the loss-mask recovery the
@@ -160,9 +160,6 @@ class ChatDataModule(pl.LightningDataModule):
         self.vocab_mapping: VocabMapping | None = None
         self.summary: dict[str, Any] = {}
         self._train_data: TokenizedChatDataset | None = None
-        self._train_sampler: EpochShuffleSampler | None = None
-        self._train_loader: ResumableDataLoader | None = None
-        self._pending_position: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------------------- linkable values
 
@@ -297,24 +294,10 @@ class ChatDataModule(pl.LightningDataModule):
         """Shards itself over the trainer's data-parallel world and resumes mid-epoch from a checkpoint."""
         if self.train_dataset is None:
             raise RuntimeError("call setup() before train_dataloader()")
-        if self._train_sampler is None:  # one sampler per data module, so repeated calls keep advancing epochs
-            shard = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
-            self._train_sampler = EpochShuffleSampler(
-                len(self.train_dataset), self.seed, self.shuffle,
-                num_replicas=shard.get("num_replicas", 1), rank=shard.get("rank", 0),
-            )  # fmt: skip
-        self._train_loader = ResumableDataLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            sampler=self._train_sampler,
-            collate_fn=self._collate(),
-            num_workers=self.loader_workers,
-            persistent_workers=self.loader_workers > 0,
-        )
-        if self._pending_position is not None:  # a checkpoint was loaded before the loader existed
-            self._train_loader.load_state_dict(self._pending_position)
-            self._pending_position = None
-        return self._train_loader
+        return self.resumable_train_loader(
+            self.train_dataset, batch_size=self.batch_size, seed=self.seed, shuffle=self.shuffle,
+            collate_fn=self._collate(), num_workers=self.loader_workers, persistent_workers=self.loader_workers > 0,
+        )  # fmt: skip
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
@@ -349,7 +332,7 @@ class ChatDataModule(pl.LightningDataModule):
             "seed": self.seed,
             "dataset_key": data.key if data is not None else None,
             "vocab_map_fingerprint": self.vocab_mapping.fingerprint if self.vocab_mapping is not None else None,
-            "train_position": self._train_loader.state_dict() if self._train_loader is not None else None,
+            "train_position": self.train_position(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -367,11 +350,7 @@ class ChatDataModule(pl.LightningDataModule):
                     f"checkpoint was trained with a different {key} ({theirs[:16]}…) than this data module "
                     f"({mine[key][:16]}…): the data, tokenizer or masking options changed"
                 )
-        position = state_dict.get("train_position")
-        if position is not None and self._train_loader is not None:
-            self._train_loader.load_state_dict(position)
-        else:
-            self._pending_position = position
+        self.restore_train_position(state_dict.get("train_position"))
 
 
 def _as_file_list(files: list[str] | str | None) -> list[str]:

@@ -125,3 +125,37 @@ def _rows_in(batch: Any) -> int:
     if isinstance(batch, (list, tuple)):
         batch = batch[0]
     return int(batch.shape[0])
+
+
+class ResumableTrainLoader:
+    """Mixin for data modules: one :class:`EpochShuffleSampler` per module (repeated calls keep advancing epochs),
+    sharded over the trainer's data-parallel world, and its position saved/restored through the data module's
+    ``state_dict`` — which Lightning always restores, also when ``configure_optimizers`` built the train loader
+    early (``trainer.estimated_stepping_batches``), a case in which its fit loop skips the loader's own state."""
+
+    _train_sampler: EpochShuffleSampler | None = None
+    _train_loader: ResumableDataLoader | None = None
+    _pending_position: dict[str, Any] | None = None
+
+    def resumable_train_loader(self, dataset, *, batch_size: int, seed: int, shuffle: bool, **loader_kwargs):
+        if self._train_sampler is None:
+            trainer = getattr(self, "trainer", None)
+            shard = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
+            self._train_sampler = EpochShuffleSampler(
+                len(dataset), seed, shuffle, num_replicas=shard.get("num_replicas", 1), rank=shard.get("rank", 0)
+            )
+        self._train_loader = ResumableDataLoader(dataset, batch_size=batch_size, sampler=self._train_sampler,
+                                                 **loader_kwargs)  # fmt: skip
+        if self._pending_position is not None:  # a checkpoint was loaded before the loader existed
+            self._train_loader.load_state_dict(self._pending_position)
+            self._pending_position = None
+        return self._train_loader
+
+    def train_position(self) -> dict[str, Any] | None:
+        return self._train_loader.state_dict() if self._train_loader is not None else None
+
+    def restore_train_position(self, position: dict[str, Any] | None) -> None:
+        if position is not None and self._train_loader is not None:
+            self._train_loader.load_state_dict(position)
+        else:
+            self._pending_position = position

@@ -127,12 +127,15 @@ class VocabMapping:
         """``path`` (.safetensors: d2t, t2d, selected) + a ``.json`` sidecar with the fingerprint and its fields."""
         from safetensors.torch import save_file
 
+        from lightning_eagle.atomic import atomic_file
+
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"format": VOCAB_MAP_FORMAT, "fingerprint": self.fingerprint, "coverage": repr(self.coverage)}
-        save_file({k: v.contiguous() for k, v in self.state_tensors().items()}, str(path), metadata=meta)
+        with atomic_file(path) as tmp:
+            save_file({k: v.contiguous() for k, v in self.state_tensors().items()}, str(tmp), metadata=meta)
         sidecar = {**meta, "coverage": self.coverage, "fields": dict(fingerprint_fields or {})}
-        path.with_suffix(".json").write_text(json.dumps(sidecar, indent=2, sort_keys=True, default=str))
+        with atomic_file(path.with_suffix(".json")) as tmp:
+            tmp.write_text(json.dumps(sidecar, indent=2, sort_keys=True, default=str))
         return path
 
     @classmethod

@@ -39,6 +39,8 @@ class AcceptanceCallback(pl.Callback):
     prompts_file: a JSONL/JSON chat file to take prompts from instead of the validation rows (rendered with the
         data module's tokenizer and render options when there is one).
     compare_plain: also decode with the target alone and log ``val/speedup_real`` (doubles the cost).
+    target: a K3 checkpoint (or ``"quickstart"``) to decode against when the module has no target of its own
+        (training from dumped features); loaded once, on the draft's device, in fp32. None = skip such runs.
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class AcceptanceCallback(pl.Callback):
         prompts_file: str | None = None,
         compare_plain: bool = False,
         seed: int = 0,
+        target: str | None = None,
     ) -> None:
         if every_n_epochs < 1 or num_prompts < 1 or max_new_tokens < 1:
             raise ValueError("every_n_epochs, num_prompts and max_new_tokens must be >= 1")
@@ -59,6 +62,7 @@ class AcceptanceCallback(pl.Callback):
         self.prompts_file, self.compare_plain = prompts_file, compare_plain
         self._prompts: list[list[int]] | None = None
         self.last_report = None
+        self.target_path, self._target = target, None
 
     def prompts(self, trainer: pl.Trainer) -> list[list[int]]:
         if self._prompts is None:
@@ -75,10 +79,19 @@ class AcceptanceCallback(pl.Callback):
                 log.warning("AcceptanceCallback: no held-out prompts (no validation rows / prompts_file); skipped")
         return self._prompts
 
+    def _own_target(self, device: torch.device):
+        if self._target is None:
+            from lightning_eagle.target.model import KimiK3ForCausalLM
+
+            self._target = KimiK3ForCausalLM.from_pretrained(self.target_path, dtype=torch.float32, device=device)
+        return self._target
+
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or trainer.current_epoch % self.every_n_epochs:
             return
         target, draft = getattr(pl_module, "target", None), getattr(pl_module, "draft", None)
+        if target is None and draft is not None and self.target_path is not None:
+            target = self._own_target(draft.fc.weight.device)
         if target is None or draft is None:
             return
         expert_parallel = callable(getattr(pl_module, "expert_range", None)) and pl_module.expert_range() is not None

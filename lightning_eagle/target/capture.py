@@ -22,6 +22,7 @@ class CaptureOutput:
     aux_hidden_states: torch.Tensor  # [B,T,len(ids)·H], taps concatenated in the given order
     final_hidden: torch.Tensor  # [B,T,H], output of the final norm
     logits: torch.Tensor | None = None
+    final_prenorm: torch.Tensor | None = None  # [B,T,H], input of the final norm (if asked)
 
 
 def resolve_aux_layer_ids(aux_layer_ids, num_hidden_layers: int) -> list[int]:
@@ -48,6 +49,7 @@ def capture_hidden_states(
     aux_layer_ids: list[int] | None,
     aux_stream: str = "prefix",
     return_logits: bool = False,
+    return_prenorm: bool = False,
 ) -> CaptureOutput:
     if aux_stream not in AUX_STREAMS:
         raise ValueError(f"aux_stream must be one of {AUX_STREAMS}, got {aux_stream!r}")
@@ -79,9 +81,11 @@ def capture_hidden_states(
                 handles.append(model.model.norm.register_forward_pre_hook(keep_input(i)))
             else:
                 handles.append(layers[i].register_forward_hook(keep_output(i)))
+        if return_prenorm:
+            handles.append(model.model.norm.register_forward_pre_hook(keep_input("prenorm")))
         out = model(input_ids, attention_mask, return_logits=return_logits)
     finally:
         for h in handles:
             h.remove()
     aux = torch.cat([captured[i] for i in ids], dim=-1)
-    return CaptureOutput(aux_hidden_states=aux, final_hidden=out.hidden_states, logits=out.logits)
+    return CaptureOutput(aux, out.hidden_states, out.logits, captured.get("prenorm"))

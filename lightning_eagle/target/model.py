@@ -201,9 +201,13 @@ class KimiK3ForCausalLM(nn.Module):
         aux_layer_ids: list[int] | None = None,
         aux_stream: str = "prefix",
         return_logits: bool = False,
+        return_prenorm: bool = False,
     ):
         """One no-grad forward that returns ``aux_hidden_states [B,T,3H]`` (taps concatenated in the given order),
-        ``final_hidden [B,T,H]`` (post-norm) and, if asked, ``logits``. See :mod:`lightning_eagle.target.capture`."""
+        ``final_hidden [B,T,H]`` (post-norm) and, if asked, ``logits`` and ``final_prenorm`` (the final norm's
+        input). See :mod:`lightning_eagle.target.capture`."""
         from lightning_eagle.target.capture import capture_hidden_states
 
-        return capture_hidden_states(self, input_ids, attention_mask, aux_layer_ids, aux_stream, return_logits)
+        return capture_hidden_states(
+            self, input_ids, attention_mask, aux_layer_ids, aux_stream, return_logits, return_prenorm
+        )

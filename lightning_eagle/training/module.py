@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -24,9 +25,10 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning_eagle.checkpoint_io import AtomicCheckpointIO
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
 from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY
+from lightning_eagle.features.teacher_head import TeacherHead
 from lightning_eagle.parallel.validate import validate_layout, validate_target_config
 from lightning_eagle.target.config import text_config_from_dict
-from lightning_eagle.target.loader import resolve_target_path
+from lightning_eagle.target.loader import read_config, resolve_target_path
 from lightning_eagle.target.model import KimiK3ForCausalLM
 from lightning_eagle.training.loss import soft_cross_entropy
 from lightning_eagle.training.loss import step_weights as default_step_weights
@@ -50,6 +52,28 @@ MODULE_DRAFT_FIELDS = {
     "aux_hidden_state_stream": "aux_stream",
     "draft_vocab_size": "data.draft_vocab_size (the data module builds the vocabulary map)",
 }
+
+
+def _expert_range(owner: pl.LightningModule, num_experts: int) -> tuple[int, int] | None:
+    trainer = owner._trainer
+    fn = getattr(trainer.strategy, "expert_range", None) if trainer is not None else None
+    return fn(num_experts) if callable(fn) else None
+
+
+def load_frozen_target(owner: pl.LightningModule, target_path, dtype: str, expert_storage: str) -> KimiK3ForCausalLM:
+    """The frozen K3 of ``owner``'s run: this rank's expert slice on its device, the strategy's dispatcher installed.
+
+    The one loading path for training (``Eagle3Module``) and feature dumps (``FeatureDumper``)."""
+    trainer = owner._trainer
+    strategy = trainer.strategy if trainer is not None else None
+    config = read_config(Path(target_path))
+    target = KimiK3ForCausalLM.from_pretrained(
+        target_path, dtype=_DTYPES[dtype], device=strategy.root_device if strategy is not None else "cpu",
+        expert_range=_expert_range(owner, config.num_experts), expert_storage=expert_storage,
+    )  # fmt: skip
+    if hasattr(strategy, "parallelize_target"):
+        strategy.parallelize_target(target)  # installs the expert-parallel dispatcher
+    return target
 
 
 def rng_states_to_checkpoint(states: dict[str, Any]) -> dict[str, Any]:
@@ -83,6 +107,9 @@ class Eagle3Module(pl.LightningModule):
 
     Args:
         target: K3 checkpoint directory (released layout) or ``"quickstart"``.
+        target_source: ``"online"`` runs the frozen target every step; ``"features"`` trains from a dump
+            (``cli.py dump``) read by ``HiddenStateDataModule``: no target forward, only its teacher head
+            (``embed_tokens``, final norm, ``lm_head``) is loaded from ``target``.
         aux_layer_ids: the three 0-based target layers whose outputs feed ``fc``; None = ``[1, L//2-1, L-4]``.
         aux_stream: ``"prefix"`` (default; what the reference and public K3 drafts use) or ``"mixed"``.
         ttt_steps / step_decay: TTT unroll length K and step weight decay (loss = Σ decay^k L_k / Σ decay^k).
@@ -102,6 +129,7 @@ class Eagle3Module(pl.LightningModule):
     def __init__(
         self,
         target: str = "quickstart",
+        target_source: Literal["online", "features"] = "online",
         aux_layer_ids: list[int] | None = None,
         aux_stream: Literal["prefix", "mixed"] = "prefix",
         ttt_steps: int = 7,
@@ -150,6 +178,7 @@ class Eagle3Module(pl.LightningModule):
         self.train_metrics = TTTMetrics(ttt_steps)  # created here, never under a meta-device context
         self.val_metrics = TTTMetrics(ttt_steps)
         self.target: KimiK3ForCausalLM | None = None
+        self.teacher_head: TeacherHead | None = None
         self.draft: KimiK3Eagle3Draft | None = None
         self.strict_loading = False  # the checkpoint holds only the draft; `load_state_dict` checks it strictly
 
@@ -167,33 +196,41 @@ class Eagle3Module(pl.LightningModule):
 
     def expert_range(self) -> tuple[int, int] | None:
         """This rank's slice of routed experts (None = all); an expert-parallel strategy decides."""
-        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
-        fn = getattr(strategy, "expert_range", None)
-        return fn(self.target_config.num_experts) if callable(fn) else None
+        return _expert_range(self, self.target_config.num_experts)
 
     def configure_model(self, vocab_mapping=None) -> None:
-        """Build the frozen target (this rank's expert slice) and the draft. Lightning calls it without arguments
-        and the vocabulary map comes from the trainer's data module; outside a trainer pass ``vocab_mapping``."""
+        """Build the frozen target (this rank's expert slice) — or, with ``target_source="features"``, only its
+        teacher head — and the draft. Lightning calls it without arguments and the vocabulary map comes from the
+        trainer's data module; outside a trainer pass ``vocab_mapping``."""
         if self.draft is not None:  # called once per stage (fit/validate/…): idempotent
             return
         device = self._root_device()
-        target = KimiK3ForCausalLM.from_pretrained(
-            self.target_path, dtype=_DTYPES[self.hparams.target_dtype], device=device,
-            expert_range=self.expert_range(), expert_storage=self.hparams.target_expert_storage,
-        )  # fmt: skip
-        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
-        if hasattr(strategy, "parallelize_target"):
-            strategy.parallelize_target(target)  # installs the expert-parallel dispatcher
-        self.target = target
+        if self.hparams.target_source == "features":
+            head = TeacherHead.from_checkpoint(self.target_path, prenorm=self._features_prenorm(), dtype=torch.float32)
+            self.teacher_head = head.to(device=device, dtype=_DTYPES[self.hparams.target_dtype])
+            embedding = self.teacher_head.embed_tokens
+        else:
+            self.target = load_frozen_target(
+                self, self.target_path, self.hparams.target_dtype, self.hparams.target_expert_storage
+            )
+            embedding = self.target.model.embed_tokens.weight
         mapping = vocab_mapping if vocab_mapping is not None else self._vocab_mapping()
         self.draft_config = self._draft_config(None if mapping is None else int(mapping.selected.numel()))
         with torch.random.fork_rng(devices=[]):  # every rank (and every rerun) starts from the same draft
             torch.manual_seed(self.hparams.draft_init_seed)
             draft = KimiK3Eagle3Draft(self.draft_config, attention_backend=self.hparams.attention_backend)
-        draft.copy_embeddings_from(target.model.embed_tokens.weight)
+        draft.copy_embeddings_from(embedding)
         if mapping is not None:
             draft.set_vocab_mapping(mapping.selected)
         self.draft = draft.to(device=device, dtype=_DTYPES[self.hparams.draft_dtype])
+
+    def _features_manifest(self) -> dict[str, Any] | None:
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return getattr(datamodule, "manifest", None)
+
+    def _features_prenorm(self) -> bool:
+        manifest = self._features_manifest()
+        return True if manifest is None else manifest["hidden_states"] == "prenorm"
 
     def _root_device(self) -> torch.device:
         if self._trainer is not None:
@@ -219,9 +256,38 @@ class Eagle3Module(pl.LightningModule):
                 f"trainer precision {precision!r} would cast the whole module, destroying the target's fp32 "
                 "parameters and MXFP4 scales; use precision='32-true' with draft_dtype='bfloat16', or 'bf16-mixed'"
             )
+        self._check_target_source()
         strategy = self.trainer.strategy
         if type(strategy.checkpoint_io) is TorchCheckpointIO:  # the default: a kill during a save truncates the file
             strategy.checkpoint_io = AtomicCheckpointIO()
+
+    def _check_target_source(self) -> None:
+        """Features must come from this target, with these taps; online runs must not be handed features."""
+        manifest = self._features_manifest()
+        features = self.hparams.target_source == "features"
+        if features != (manifest is not None):
+            raise ValueError(
+                "target_source='features' trains from dumped features: use data.class_path "
+                "lightning_eagle.features.HiddenStateDataModule" if features else
+                "the data module holds dumped features: set model.target_source='features' (no target forward)"
+            )  # fmt: skip
+        if not features:
+            return
+        where = f"the features in {manifest['folder']}"
+        if manifest["target"]["config_sha256"] != self.target_fingerprint:
+            raise ValueError(
+                f"{where} were dumped from another target (config fingerprint {manifest['target']['config_sha256']}, "
+                f"this target {self.target_fingerprint} at {self.target_path})"
+            )
+        if (
+            manifest["aux_layer_ids"] != self.draft_config.aux_layer_ids
+            or manifest["aux_stream"] != self.hparams.aux_stream
+        ):
+            raise ValueError(
+                f"{where} tap layers {manifest['aux_layer_ids']} ({manifest['aux_stream']} stream), this module "
+                f"trains on {self.draft_config.aux_layer_ids} ({self.hparams.aux_stream}): dump again or set "
+                "aux_layer_ids / aux_stream to the dump's"
+            )
 
     # ---- research hooks -------------------------------------------------------------------------------------------
     def compute_teacher(self, draft, loss_mask, **sources) -> Teacher:
@@ -253,17 +319,27 @@ class Eagle3Module(pl.LightningModule):
                 aux_stream=self.hparams.aux_stream,
             )  # fmt: skip
 
+    def target_features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(aux_hidden_states, post-norm final hidden, lm_head weight)`` for a batch: from the target's forward, or
+        from the dumped features (pre-norm hidden normed by the teacher head)."""
+        if self.hparams.target_source == "online":
+            cap = self.capture(batch)
+            return cap.aux_hidden_states, cap.final_hidden, self.target.lm_head.weight
+        head, dtype = self.teacher_head, self.teacher_head.lm_head.dtype
+        final = head.final_hidden(batch["hidden_states"].to(dtype), stored_prenorm=self._features_prenorm())
+        return batch["aux_hidden_states"].to(dtype), final, head.lm_head
+
     def shared_step(self, batch: dict[str, torch.Tensor], return_argmax: bool = False) -> TTTOutput:
-        cap = self.capture(batch)
+        aux_hidden_states, final_hidden, lm_head_weight = self.target_features(batch)
         attention_mask = batch["attention_mask"]
         return ttt_loss(
             self.draft,
             shift_left(batch["input_ids"]),
             attention_mask,  # aux states and the attention mask are not shifted
             shift_left(batch["loss_mask"]),
-            cap.aux_hidden_states,
-            final_hidden=shift_left(cap.final_hidden),
-            lm_head_weight=self.target.lm_head.weight,
+            aux_hidden_states,
+            final_hidden=shift_left(final_hidden),
+            lm_head_weight=lm_head_weight,
             teacher_fn=self.compute_teacher,
             draft_step_fn=self.draft_step,
             step_loss_fn=self.step_loss,
@@ -365,7 +441,7 @@ class Eagle3Module(pl.LightningModule):
     def state_dict(self, *args, **kwargs):
         state = super().state_dict(*args, **kwargs)
         prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
-        drop = (prefix + "target.", prefix + "train_metrics.", prefix + "val_metrics.")
+        drop = tuple(prefix + name for name in ("target.", "teacher_head.", "train_metrics.", "val_metrics."))
         for key in [k for k in state if k.startswith(drop)]:
             del state[key]
         return state

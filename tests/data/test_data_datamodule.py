@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_eagle.data import ChatDataModule
-from lightning_eagle.data.datamodule import EpochShuffleSampler
+from lightning_eagle.data.sampler import EpochShuffleSampler
 
 CHAT = {"messages": [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4"}]}
 

@@ -36,7 +36,8 @@ def test_print_config_resolves(target_dir, tmp_path, capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["aux_layer_ids"] == [1, 3, 5]
     assert printed["trainer"]["precision"] == "32-true"
-    assert printed["data"]["draft_vocab_size"] == 320
+    assert printed["data"]["class_path"].endswith("ChatDataModule")  # the default data class (features: another)
+    assert printed["data"]["init_args"]["draft_vocab_size"] == 320
 
 
 def test_fit_validate_and_export(target_dir, tmp_path):
@@ -74,7 +75,7 @@ def test_real_k3_config_parses(capsys):
     strategy = printed["trainer"]["strategy"]
     assert strategy["class_path"].endswith("ExpertParallelStrategy")
     assert strategy["init_args"]["expert_parallel_size"] == 64
-    assert printed["model"]["ttt_steps"] == 7 and printed["data"]["draft_vocab_size"] == 32000
+    assert printed["model"]["ttt_steps"] == 7 and printed["data"]["init_args"]["draft_vocab_size"] == 32000
     assert printed["model"]["draft_dtype"] == "bfloat16" and printed["trainer"]["precision"] == "32-true"
 
 

@@ -1,0 +1,294 @@
+"""Dump the frozen target's EAGLE-3 features once (``python cli.py dump --config …``), as Lightning ``predict``:
+
+1. **Plan**: every row of the data module — its training split in order, then its validation rows — is numbered;
+   shard ``k`` holds rows ``[k·R, (k+1)·R)``. ``plan.json`` records what is dumped (target fingerprint, taps,
+   data and vocab-map fingerprints, dtype, pre/post-norm); a folder holding another plan is refused.
+2. **Resume**: shards with a verified checksum are skipped; rank ``r`` of ``W`` dumps the missing shards
+   ``k ≡ r (mod W)``. Ranks run the same number of forwards (padding batches, never written), because under
+   expert parallelism every forward is collective.
+3. **Disk**: the estimate (tokens × bytes per token) is printed and the run is refused if the filesystem lacks it.
+4. **Forward**: :class:`FeatureDumper` (``predict_step``) captures the aux taps and the final hidden (pre- or
+   post-norm) with autocast off; :class:`FeatureShardWriter` collects each shard's rows and writes the shard
+   atomically, then its sidecar.
+5. **Manifest**: rank 0 writes ``manifest.json`` (plan + shards + totals) once every shard is complete.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_eagle.atomic import PARTIAL_SUFFIX
+from lightning_eagle.data.dataset import collate_chat_rows
+from lightning_eagle.features import format as fmt
+from lightning_eagle.target.capture import resolve_aux_layer_ids
+
+
+class _RankSampler(DistributedSampler):
+    """Yields ``0..n-1``: the dataset is already this rank's list of batches (Lightning must not re-shard it)."""
+
+    def __init__(self, n: int) -> None:  # no super().__init__: it would query torch.distributed
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class _Batches(torch.utils.data.Dataset):
+    """This rank's batches: ``(shard, row_ids)`` or ``(None, row_ids)`` for a padding batch that is not written."""
+
+    def __init__(self, rows: list[dict[str, torch.Tensor]], plan: list[tuple[int | None, list[int]]], pad_id: int):
+        self.rows, self.plan, self.pad_id = rows, plan, pad_id
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        shard, row_ids = self.plan[i]
+        batch = collate_chat_rows([self.rows[r] for r in row_ids], self.pad_id)
+        return {**batch, "shard": -1 if shard is None else shard, "row_ids": torch.tensor(row_ids)}
+
+
+class FeatureDumper(pl.LightningModule):
+    """The frozen target (any supported layout) whose ``predict_step`` returns each row's features, unpadded.
+
+    Built from an :class:`~lightning_eagle.training.module.Eagle3Module` (its target, taps and dtypes) and the data
+    module whose rows are dumped.
+    """
+
+    def __init__(self, module, datamodule, out_dir: Path, *, dtype: str, hidden_states: str, shard_rows: int):
+        super().__init__()
+        if hidden_states not in fmt.HIDDEN_KINDS:
+            raise ValueError(f"hidden_states must be one of {fmt.HIDDEN_KINDS}, got {hidden_states!r}")
+        if dtype not in fmt.DTYPES:
+            raise ValueError(f"dump dtype must be one of {sorted(fmt.DTYPES)}, got {dtype!r}")
+        if shard_rows < 1:
+            raise ValueError(f"shard_rows must be positive, got {shard_rows}")
+        # Plain attributes, not the Eagle3Module itself (it would become a submodule of this one).
+        self.target_path, self.target_config = module.target_path, module.target_config
+        self.target_options = {
+            "dtype": module.hparams.target_dtype,
+            "expert_storage": module.hparams.target_expert_storage,
+        }
+        self.aux_stream = module.hparams.aux_stream
+        self.data, self.out_dir = datamodule, Path(out_dir)
+        self.dtype_name, self.hidden_kind, self.shard_rows = dtype, hidden_states, shard_rows
+        self.num_layers = module.target_config.num_hidden_layers
+        self.aux_ids = resolve_aux_layer_ids(module.hparams.aux_layer_ids, self.num_layers)
+        self.target = None
+        self.rows: list[dict[str, torch.Tensor]] = []
+        self.plan: dict[str, Any] = {}
+        self.written_names: set[str] = set()  # shards this process wrote (the writer adds them)
+
+    # ---- what to dump -------------------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        """Number the rows, write (rank 0) or check ``plan.json`` and ``vocab_map.safetensors``."""
+        strategy = self.trainer.strategy
+        if self.trainer.is_global_zero:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.out_dir.glob(f".*{PARTIAL_SUFFIX}"):  # a killed dump's half-written files
+                stale.unlink()
+            self.data.prepare_data()  # tokenize once into the cache
+        strategy.barrier("dump-prepare")
+        self.plan = self._plan()
+        plan_path = self.out_dir / fmt.PLAN_NAME
+        if self.trainer.is_global_zero and not plan_path.is_file():
+            fmt.write_json(plan_path, self.plan)
+            self.data.vocab_mapping.save(self.out_dir / fmt.VOCAB_MAP_NAME, {"features": str(self.out_dir)})
+        strategy.barrier("dump-plan")
+        old = fmt.read_json(plan_path)
+        for key in (*fmt.IDENTITY_FIELDS, "shard_rows", "rows"):
+            if old.get(key) != self.plan.get(key):
+                raise ValueError(
+                    f"{self.out_dir} holds a dump of other features ({key}: {old.get(key)!r} there, "
+                    f"{self.plan.get(key)!r} now); pass another --out or delete the folder"
+                )
+
+    def _plan(self) -> dict[str, Any]:
+        data = self.data
+        data.setup("fit")
+        self.rows = [data.train_dataset[i] for i in range(len(data.train_dataset))]
+        val_rows = [data.val_dataset[i] for i in range(len(data.val_dataset))] if data.val_dataset else []
+        train_count = len(self.rows)
+        self.rows += val_rows
+        tokens = sum(int(r["input_ids"].numel()) for r in self.rows)
+        hidden = self.target_config.hidden_size
+        mapping = data.vocab_mapping
+        plan = {
+            "format": fmt.FORMAT,
+            "target": fmt.target_fingerprint(self.target_path),
+            "aux_layer_ids": self.aux_ids,
+            "aux_stream": self.aux_stream,
+            "hidden_states": self.hidden_kind,
+            "dtype": self.dtype_name,
+            "hidden_size": hidden,
+            "num_aux_hidden_states": len(self.aux_ids),
+            "vocab_size": data.vocab_size,
+            "pad_token_id": data.pad_token_id,
+            "data": {
+                **data.state_dict(),
+                "train_position": None,
+                "render_options": data.render_options,
+                "max_length": data.max_length,
+                "tokenizer": data.tokenizer.fingerprint,
+            },  # fmt: skip
+            "vocab_map": {"fingerprint": mapping.fingerprint, "draft_vocab_size": int(mapping.selected.numel())},
+            "shard_rows": self.shard_rows,
+            "rows": {"train": train_count, "val": len(val_rows)},
+            "tokens": tokens,
+            "bytes_per_token": fmt.bytes_per_token(hidden, len(self.aux_ids), self.dtype_name),
+            "num_shards": max(1, math.ceil(len(self.rows) / self.shard_rows)),
+        }
+        return plan
+
+    def shard_rows_of(self, shard: int) -> list[int]:
+        return list(range(shard * self.shard_rows, min((shard + 1) * self.shard_rows, len(self.rows))))
+
+    def pending_shards(self) -> list[int]:
+        """This rank's shards without a complete, checksum-verified file."""
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        return [
+            k
+            for k in range(rank, self.plan["num_shards"], world)
+            if fmt.complete_shard(self.out_dir, k, len(self.shard_rows_of(k))) is None
+        ]
+
+    def check_disk(self, pending: list[int]) -> None:
+        tokens = sum(int(self.rows[r]["input_ids"].numel()) for k in pending for r in self.shard_rows_of(k))
+        need = tokens * self.plan["bytes_per_token"]
+        free = shutil.disk_usage(self.out_dir).free
+        rank_zero_info(
+            f"dump: {self.plan['tokens']} tokens in {len(self.rows)} rows, {self.plan['bytes_per_token']} bytes/token "
+            f"({self.dtype_name}) = {self.plan['tokens'] * self.plan['bytes_per_token'] / 1e9:.3f} GB in all; "
+            f"this rank writes {need / 1e9:.3f} GB to {self.out_dir} ({free / 1e9:.1f} GB free)"
+        )
+        if need > free:
+            raise OSError(
+                f"not enough disk space for the dump in {self.out_dir}: {need / 1e9:.3f} GB needed, "
+                f"{free / 1e9:.3f} GB free"
+            )
+
+    def predict_dataloader(self) -> DataLoader:
+        pending = self.pending_shards()
+        self.check_disk(pending)
+        plan = [(k, chunk) for k in pending for chunk in _chunks(self.shard_rows_of(k), self.data.batch_size)]
+        count = torch.tensor(len(plan))
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank runs as many (collective) forwards
+        padding = plan[-1][1] if plan else [0]
+        plan += [(None, padding)] * (int(count) - len(plan))
+        return DataLoader(_Batches(self.rows, plan, self.data.pad_token_id), batch_size=None,
+                          sampler=_RankSampler(len(plan)))  # fmt: skip
+
+    # ---- the forward ---------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.target is None:
+            from lightning_eagle.training.module import load_frozen_target
+
+            self.target = load_frozen_target(self, self.target_path, **self.target_options)
+
+    def on_predict_start(self) -> None:
+        self._started = time.perf_counter()
+
+    def on_predict_end(self) -> None:
+        self.trainer.strategy.barrier("dump-shards")
+        if self.trainer.is_global_zero:
+            manifest = write_manifest(self)
+            seconds = time.perf_counter() - self._started
+            written = sum(s["tokens"] for s in manifest["shards"] if s["shard"] in self.written_names)
+            rank_zero_info(
+                f"dump complete: {self.plan['rows']['train']} train + {self.plan['rows']['val']} val rows, "
+                f"{self.plan['tokens']} tokens in {len(manifest['shards'])} shards at {self.out_dir} "
+                f"(this run wrote {written} tokens in {seconds:.1f} s on rank 0: {written / max(seconds, 1e-9):.0f} "
+                "tokens/s per rank)"
+            )
+        self.trainer.strategy.barrier("dump-manifest")
+
+    @torch.no_grad()
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
+        prenorm = self.hidden_kind == "prenorm"
+        with torch.autocast(device_type=self.device.type, enabled=False):
+            cap = self.target.capture(batch["input_ids"], batch["attention_mask"], aux_layer_ids=self.aux_ids,
+                                      aux_stream=self.aux_stream, return_prenorm=prenorm)  # fmt: skip
+        if int(batch["shard"]) < 0:
+            return None
+        aux, final = cap.aux_hidden_states, cap.final_prenorm if prenorm else cap.final_hidden
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        return {
+            "shard": int(batch["shard"]),
+            "row_ids": batch["row_ids"].tolist(),
+            "rows": [
+                (batch["input_ids"][i, :n].cpu(), batch["loss_mask"][i, :n].cpu(), aux[i, :n].cpu(), final[i, :n].cpu())
+                for i, n in enumerate(lengths)
+            ],
+        }
+
+
+class FeatureShardWriter(BasePredictionWriter):
+    """Collects the rows of each shard from ``predict_step`` and writes the shard once it has all of them."""
+
+    def __init__(self, dumper: FeatureDumper) -> None:
+        super().__init__(write_interval="batch")
+        self.dumper = dumper
+        self.pending: dict[int, fmt.ShardRows] = {}
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
+        if prediction is None:
+            return
+        shard = prediction["shard"]
+        rows = self.pending.setdefault(shard, fmt.ShardRows([], [], [], [], []))
+        for row_id, (ids, mask, aux, final) in zip(prediction["row_ids"], prediction["rows"]):
+            rows.row_ids.append(row_id)
+            rows.input_ids.append(ids)
+            rows.loss_mask.append(mask)
+            rows.aux_hidden_states.append(aux)
+            rows.hidden_states.append(final)
+        if len(rows.row_ids) == len(self.dumper.shard_rows_of(shard)):
+            info = fmt.write_shard(
+                self.dumper.out_dir, shard, self.pending.pop(shard), fmt.DTYPES[self.dumper.dtype_name]
+            )
+            self.dumper.written_names.add(info["shard"])
+
+
+def write_manifest(dumper: FeatureDumper) -> dict[str, Any]:
+    """Rank 0, after every rank finished: the plan plus every shard's sidecar (all must be complete)."""
+    shards, missing = [], []
+    for k in range(dumper.plan["num_shards"]):
+        info = fmt.complete_shard(dumper.out_dir, k, len(dumper.shard_rows_of(k)), verify=False)
+        (shards.append(info) if info is not None else missing.append(fmt.shard_name(k)))
+    if missing:
+        raise RuntimeError(f"{dumper.out_dir}: shards {missing[:5]} are incomplete after the dump; run it again")
+    manifest = {**dumper.plan, "shards": shards}
+    fmt.write_json(dumper.out_dir / fmt.MANIFEST_NAME, manifest)
+    return manifest
+
+
+def _chunks(items: list[int], size: int) -> list[list[int]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def dump_features(module, datamodule, out_dir, trainer: pl.Trainer, *, dtype: str = "bfloat16",
+                  hidden_states: str = "prenorm", shard_rows: int = 256) -> Path:  # fmt: skip
+    """Dump ``datamodule``'s rows through ``module``'s target (an ``Eagle3Module``) with ``trainer``'s layout;
+    what ``cli.py dump`` runs. Returns the features folder (complete: ``manifest.json`` written)."""
+    dumper = FeatureDumper(module, datamodule, Path(out_dir), dtype=dtype, hidden_states=hidden_states,
+                           shard_rows=shard_rows)  # fmt: skip
+    trainer.callbacks.append(FeatureShardWriter(dumper))
+    with warnings.catch_warnings():  # our batches carry their own row ids; Lightning's index tracking does not apply
+        warnings.filterwarnings("ignore", message="Couldn't infer the batch indices")
+        trainer.predict(dumper, return_predictions=False)
+    return Path(out_dir)
