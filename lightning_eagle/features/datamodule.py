@@ -125,6 +125,12 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
     def pad_token_id(self) -> int:
         return int(self.manifest["pad_token_id"])
 
+    def held_out_prompts(self, max_prompts: int | None = None) -> list[list[int]]:
+        """The prompts the online run decodes for ``val/tau_real`` (rendered from the held-out chats at dump time)."""
+        path = self.folder / fmt.PROMPTS_NAME
+        prompts = fmt.read_json(path)["prompts"] if path.is_file() else []
+        return prompts if max_prompts is None else prompts[:max_prompts]
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
             return

@@ -107,8 +107,11 @@ class FeatureDumper(pl.LightningModule):
         self.plan = self._plan()
         plan_path = self.out_dir / fmt.PLAN_NAME
         if self.trainer.is_global_zero and not plan_path.is_file():
+            from lightning_eagle.inference.acceptance import prompts_from_datamodule
+
             fmt.write_json(plan_path, self.plan)
             self.data.vocab_mapping.save(self.out_dir / fmt.VOCAB_MAP_NAME, {"features": str(self.out_dir)})
+            fmt.write_json(self.out_dir / fmt.PROMPTS_NAME, {"prompts": prompts_from_datamodule(self.data)})
         strategy.barrier("dump-plan")
         old = fmt.read_json(plan_path)
         for key in (*fmt.IDENTITY_FIELDS, "shard_rows", "rows"):

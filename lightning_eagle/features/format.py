@@ -6,6 +6,7 @@
     features/
       plan.json                  what is being dumped (target, taps, data, vocab map, rows): written first
       vocab_map.safetensors      the data module's d2t / t2d (the offline run trains with exactly this map)
+      prompts.json               the validation rows' prompts the online run decodes for val/tau_real
       shard-00000.safetensors    rows [0, R) : tokens concatenated, ``offsets [rows+1]`` delimit the rows
       shard-00000.json           its row count, token count and sha256 (written after the shard: "complete")
       …
@@ -33,6 +34,7 @@ from lightning_eagle.atomic import atomic_file
 
 FORMAT = "lightning_eagle.features/1"
 PLAN_NAME, MANIFEST_NAME, VOCAB_MAP_NAME = "plan.json", "manifest.json", "vocab_map.safetensors"
+PROMPTS_NAME = "prompts.json"  # held-out prompts (token ids) for real speculative decoding, as the online run uses
 HIDDEN_KINDS = ("prenorm", "postnorm")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # Fields of the plan that must agree between a dump and what reads or resumes it.

@@ -71,6 +71,8 @@ class AcceptanceCallback(pl.Callback):
                 tokenizer = getattr(datamodule, "tokenizer", None)
                 options = dict(getattr(datamodule, "render_options", {"thinking": True, "thinking_effort": None}))
                 self._prompts = resolve_prompts(self.prompts_file, tokenizer, self.num_prompts, options)
+            elif hasattr(datamodule, "held_out_prompts"):  # dumped features: the online run's prompts
+                self._prompts = datamodule.held_out_prompts(self.num_prompts)
             elif datamodule is not None and hasattr(datamodule, "val_dataset"):
                 self._prompts = prompts_from_datamodule(datamodule, self.num_prompts)
             else:

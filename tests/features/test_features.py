@@ -226,3 +226,12 @@ def test_expert_parallel_dump_equals_the_single_process_dump(tmp_path, fp32_dump
             assert torch.equal(a[key], b[key]), key
         for key in ("aux_hidden_states", "hidden_states"):
             torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_held_out_prompts_are_the_online_runs(fp32_dump):
+    from lightning_eagle.inference.acceptance import prompts_from_datamodule
+
+    chats = ChatDataModule(**DATA)
+    chats.setup("fit")
+    online = prompts_from_datamodule(chats, 5)
+    assert online and HiddenStateDataModule(str(fp32_dump)).held_out_prompts(5) == online
