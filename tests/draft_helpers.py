@@ -42,3 +42,15 @@ def tiny_batch(config: Eagle3DraftConfig, B: int = 2, T: int = 12, pad: int = 3,
         "aux_hidden_states": torch.randn(B, T, 3 * config.target_hidden_size, generator=g),
         "target_logits": 3 * torch.randn(B, T, config.vocab_size, generator=g),
     }
+
+
+def reference_state(draft) -> dict:
+    """``draft``'s state dict under the NeMo Automodel reference export's key names (``model.layers.0.*``)."""
+    state = {}
+    for key, value in draft.state_dict().items():
+        if key.startswith("midlayer."):
+            key = "model.layers.0." + key[len("midlayer.") :]
+        elif key not in ("lm_head.weight", "d2t", "t2d"):
+            key = "model." + key
+        state[key] = value.clone()
+    return state

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from draft_helpers import reference_state
 from safetensors.torch import load_file, save_file
 
 from lightning_eagle.draft import KimiK3Eagle3Draft, export_draft
@@ -17,13 +18,7 @@ from lightning_eagle.target.presets import config_from_name
 def write_reference_export(draft, folder, order=None, with_buffers=True):
     """Write ``draft`` the way the reference's checkpointer does (two shards + index), vocabulary in ``order``."""
     folder.mkdir()
-    state = {}
-    for key, value in draft.state_dict().items():
-        if key.startswith("midlayer."):
-            key = "model.layers.0." + key[len("midlayer.") :]
-        elif key not in ("lm_head.weight", "d2t", "t2d"):
-            key = "model." + key
-        state[key] = value.clone()
+    state = reference_state(draft)
     if order is not None:
         selected = draft.selected_token_ids[order]
         state["lm_head.weight"] = state["lm_head.weight"][order].contiguous()

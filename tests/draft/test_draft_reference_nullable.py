@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from draft_helpers import tiny_batch, tiny_draft
+from draft_helpers import reference_state, tiny_batch, tiny_draft
 from safetensors.torch import save_file
 
 from lightning_eagle.draft import KimiK3Eagle3Draft, export_draft
@@ -44,13 +44,7 @@ def write_reference_export(draft: KimiK3Eagle3Draft, folder, edits: dict | None 
     """``draft`` in the reference layout (one shard + index, ``model.layers.0.*``), ``config.json`` edited by
     ``edits`` (a value, None for null, or MISSING). Buffers only with a compressed vocabulary, as the reference."""
     folder.mkdir()
-    state = {}
-    for key, value in draft.state_dict().items():
-        if key.startswith("midlayer."):
-            key = "model.layers.0." + key[len("midlayer.") :]
-        elif key not in ("lm_head.weight", "d2t", "t2d"):
-            key = "model." + key
-        state[key] = value.clone()
+    state = reference_state(draft)
     if not draft.config.has_vocab_compression:
         del state["d2t"], state["t2d"]
     shard = "model-00001-of-00001.safetensors"
