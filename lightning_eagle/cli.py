@@ -15,6 +15,7 @@ import argparse
 import os
 import pickle
 import sys
+import warnings
 from pathlib import Path
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -170,6 +171,8 @@ def _run(words: list[str], from_sys_argv: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Lightning 2.6 with torch 2.13 warns about its own use of a deprecated pytree API on every run: not actionable.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     words = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in words or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     words = [w for w in words if w != "--debug"]

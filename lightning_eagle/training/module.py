@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -40,6 +41,8 @@ from lightning_eagle.training.teacher import compute_teacher as default_compute_
 from lightning_eagle.training.ttt import TTTOutput, ttt_loss
 
 log = logging.getLogger(__name__)
+# The frozen target is in eval mode on purpose; Lightning's "modules in eval mode" warning would only alarm users.
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TARGET_FINGERPRINT_KEY = "eagle_target_fingerprint"
