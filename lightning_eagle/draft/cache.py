@@ -26,6 +26,14 @@ class TTTCache:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def replay(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> TTTCache:
+        """A cache holding ``keys``/``values`` with this cache's mask (and its built masks): what a recomputed step
+        (activation checkpointing) appends to instead of this one."""
+        other = TTTCache()
+        other.keys, other.values = list(keys), list(values)
+        other.attention_mask, other._bound, other._additive = self.attention_mask, self._bound, self._additive
+        return other
+
     def bind_mask(self, attention_mask: torch.Tensor | None) -> None:
         """Record the padding mask on the first step; later steps must pass the same mask (values, not a shrink)."""
         if not self._bound:

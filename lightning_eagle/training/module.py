@@ -38,7 +38,7 @@ from lightning_eagle.training.schedule import warmup_cosine
 from lightning_eagle.training.shift import shift_left
 from lightning_eagle.training.teacher import Teacher
 from lightning_eagle.training.teacher import compute_teacher as default_compute_teacher
-from lightning_eagle.training.ttt import TTTOutput, ttt_loss
+from lightning_eagle.training.ttt import TTTOutput, checkpointed_draft_step, ttt_loss
 
 log = logging.getLogger(__name__)
 # The frozen target is in eval mode on purpose; Lightning's "modules in eval mode" warning would only alarm users.
@@ -118,6 +118,8 @@ class Eagle3Module(pl.LightningModule):
         ttt_steps / step_decay: TTT unroll length K and step weight decay (loss = Σ decay^k L_k / Σ decay^k).
         draft: overrides of draft config fields (e.g. ``{"intermediate_size": 4096, "fc_norm": true}``).
         attention_backend: TTT attention (``"eager"`` naive twin, ``"flash_lse"`` efficient).
+        draft_activation_checkpointing: recompute each TTT step's activations in the backward (less memory at
+            long T and K, one more draft forward per step; loss and gradients unchanged).
         draft_init_seed: seeds the draft's random init (identical on every rank, independent of the global RNG).
         target_dtype / draft_dtype: the target keeps its fp32 islands whatever ``target_dtype`` is.
         target_expert_storage: ``"mxfp4"`` keeps routed experts packed in memory (~3.8x less than bf16), decoded
@@ -139,6 +141,7 @@ class Eagle3Module(pl.LightningModule):
         step_decay: float = 0.8,
         draft: dict[str, Any] | None = None,
         attention_backend: str = "eager",
+        draft_activation_checkpointing: bool = False,
         draft_init_seed: int = 0,
         target_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16",
         target_expert_storage: Literal["dequantized", "mxfp4"] = "dequantized",
@@ -301,7 +304,10 @@ class Eagle3Module(pl.LightningModule):
         )  # fmt: skip
 
     def draft_step(self, draft, input_ids, hidden, attention_mask, cache) -> torch.Tensor:
-        """One TTT step of the draft (override e.g. for activation checkpointing)."""
+        """One TTT step of the draft; with ``draft_activation_checkpointing`` its activations are recomputed in the
+        backward (K steps' attention/MLP intermediates are never held at once)."""
+        if self.hparams.draft_activation_checkpointing and torch.is_grad_enabled():
+            return checkpointed_draft_step(draft, input_ids, hidden, attention_mask, cache)
         return draft.layer(input_ids, hidden, attention_mask, cache)
 
     def step_loss(self, logits, target_probs, position_mask) -> torch.Tensor:

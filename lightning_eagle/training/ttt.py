@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 
 from lightning_eagle.draft.cache import TTTCache
 from lightning_eagle.training.loss import soft_cross_entropy, step_weights
@@ -69,6 +70,23 @@ def tau_sim(step_prefix_hits: torch.Tensor, step_valid: torch.Tensor) -> torch.T
 def draft_step(draft, input_ids, hidden, attention_mask, cache: TTTCache) -> torch.Tensor:
     """One draft step (appends to ``cache``); a module may replace it, e.g. to checkpoint activations."""
     return draft.layer(input_ids, hidden, attention_mask, cache)
+
+
+def checkpointed_draft_step(draft, input_ids, hidden, attention_mask, cache: TTTCache) -> torch.Tensor:
+    """:func:`draft_step` with its activations recomputed in the backward instead of stored (same loss, same
+    gradients). Only the step's outputs are kept: the new hidden and the K/V it appends, which later steps need
+    anyway. The recomputation appends to a replay of the cache as it was, so the real cache grows once."""
+    cache.bind_mask(attention_mask)
+    n = len(cache)
+
+    def step(hidden: torch.Tensor, *past: torch.Tensor):
+        replay = cache.replay(past[:n], past[n:])
+        out = draft.layer(input_ids, hidden, attention_mask, replay)
+        return out, replay.keys[-1], replay.values[-1]
+
+    out, key, value = torch.utils.checkpoint.checkpoint(step, hidden, *cache.keys, *cache.values, use_reentrant=False)
+    cache.append(key, value)
+    return out
 
 
 def ttt_loss(
