@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import _load as pl_load
+from typing_extensions import override
 
 from lightning_eagle.atomic import atomic_file
 
@@ -31,6 +32,7 @@ class CheckpointLoadError(ValueError):
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` with atomic saves and readable load errors."""
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
@@ -41,6 +43,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def before_publish(self, tmp: Path, final: Path) -> None:
         """Called with the complete temporary file just before it takes its final name (a test hook)."""
 
+    @override
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None):
         return load_checkpoint_file(path, map_location=map_location, weights_only=weights_only)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
+from typing_extensions import override
 
 
 class EpochShuffleSampler(DistributedSampler):
@@ -39,6 +40,7 @@ class EpochShuffleSampler(DistributedSampler):
         self._resume: tuple[int, int] | None = None  # (epoch, rows consumed by the world) from a checkpoint
         self.pass_epoch, self.pass_start = 0, 0  # the epoch and start row of the pass in progress
 
+    @override
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
@@ -63,6 +65,7 @@ class EpochShuffleSampler(DistributedSampler):
             raise ValueError(f"cannot resume at row {consumed} of an epoch of {self._padded_total()} rows")
         self._resume = (epoch, consumed)
 
+    @override
     def __iter__(self):
         epoch, self.epoch = self.epoch, self.epoch + 1
         start = 0
@@ -74,6 +77,7 @@ class EpochShuffleSampler(DistributedSampler):
         self.pass_epoch, self.pass_start = epoch, start
         return iter(self.order(epoch)[start:][self.rank :: self.num_replicas])
 
+    @override
     def __len__(self) -> int:
         """Rows of a whole epoch on this rank (Lightning counts a resumed epoch's batches from its start)."""
         return self._padded_total() // self.num_replicas
@@ -92,6 +96,7 @@ class ResumableDataLoader(DataLoader):
             raise TypeError(f"ResumableDataLoader needs an EpochShuffleSampler, got {type(self.sampler).__name__}")
         self._rows_handed_out = 0
 
+    @override
     def __iter__(self):
         iterator = super().__iter__()  # runs the sampler's __iter__ lazily: pass_* are set at the first batch
         self._rows_handed_out = 0

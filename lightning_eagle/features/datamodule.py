@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from safetensors import safe_open
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_eagle.data.dataset import collate_chat_rows
 from lightning_eagle.data.sampler import ResumableDataLoader, ResumableTrainLoader
@@ -30,6 +31,7 @@ class FeatureRows(torch.utils.data.Dataset):
         self._handles: dict[int, Any] = {}
         self._offsets: dict[int, torch.Tensor] = {}
 
+    @override
     def __len__(self) -> int:
         return self.stop - self.start
 
@@ -131,6 +133,7 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
         prompts = fmt.read_json(path)["prompts"] if path.is_file() else []
         return prompts if max_prompts is None else prompts[:max_prompts]
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
             return
@@ -138,6 +141,7 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
         self.train_dataset = FeatureRows(self.folder, self.manifest, 0, n_train)
         self.val_dataset = FeatureRows(self.folder, self.manifest, n_train, n_train + n_val) if n_val else None
 
+    @override
     def train_dataloader(self) -> ResumableDataLoader:
         return self.resumable_train_loader(
             self.train_dataset, batch_size=self.batch_size, seed=self.seed, shuffle=self.shuffle,
@@ -145,20 +149,24 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
             persistent_workers=self.loader_workers > 0,
         )  # fmt: skip
 
+    @override
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
             return []
         return DataLoader(self.val_dataset, batch_size=self.batch_size, shuffle=False,
                           collate_fn=_FeatureCollate(self.pad_token_id), num_workers=self.loader_workers)  # fmt: skip
 
+    @override
     def test_dataloader(self) -> DataLoader | list:
         return self.val_dataloader()
 
     predict_dataloader = test_dataloader
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"features": self.fingerprint, "seed": self.seed, "train_position": self.train_position()}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Refuse a checkpoint trained on other features; resume its position."""
         theirs = state_dict.get("features")

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, DistributedSampler
+from typing_extensions import override
 
 from lightning_eagle.atomic import PARTIAL_SUFFIX
 from lightning_eagle.data.dataset import collate_chat_rows
@@ -41,9 +42,11 @@ class _RankSampler(DistributedSampler):
     def __init__(self, n: int) -> None:  # no super().__init__: it would query torch.distributed
         self.n = n
 
+    @override
     def __iter__(self):
         return iter(range(self.n))
 
+    @override
     def __len__(self) -> int:
         return self.n
 
@@ -54,6 +57,7 @@ class _Batches(torch.utils.data.Dataset):
     def __init__(self, rows: list[dict[str, torch.Tensor]], plan: list[tuple[int | None, list[int]]], pad_id: int):
         self.rows, self.plan, self.pad_id = rows, plan, pad_id
 
+    @override
     def __len__(self) -> int:
         return len(self.plan)
 
@@ -95,6 +99,7 @@ class FeatureDumper(pl.LightningModule):
         self.written_names: set[str] = set()  # shards this process wrote (the writer adds them)
 
     # ---- what to dump -------------------------------------------------------------------------------------------
+    @override
     def setup(self, stage: str) -> None:
         """Number the rows, write (rank 0) or check ``plan.json`` and ``vocab_map.safetensors``."""
         strategy = self.trainer.strategy
@@ -185,6 +190,7 @@ class FeatureDumper(pl.LightningModule):
                 f"{free / 1e9:.3f} GB free"
             )
 
+    @override
     def predict_dataloader(self) -> DataLoader:
         pending = self.pending_shards()
         self.check_disk(pending)
@@ -198,15 +204,18 @@ class FeatureDumper(pl.LightningModule):
                           sampler=_RankSampler(len(plan)))  # fmt: skip
 
     # ---- the forward ---------------------------------------------------------------------------------------------
+    @override
     def configure_model(self) -> None:
         if self.target is None:
             from lightning_eagle.training.module import load_frozen_target
 
             self.target = load_frozen_target(self, self.target_path, **self.target_options)
 
+    @override
     def on_predict_start(self) -> None:
         self._started = time.perf_counter()
 
+    @override
     def on_predict_end(self) -> None:
         self.trainer.strategy.barrier("dump-shards")
         if self.trainer.is_global_zero:
@@ -249,6 +258,7 @@ class FeatureShardWriter(BasePredictionWriter):
         self.dumper = dumper
         self.pending: dict[int, fmt.ShardRows] = {}
 
+    @override
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
         if prediction is None:
             return

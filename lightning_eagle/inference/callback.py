@@ -23,6 +23,7 @@ import logging
 
 import lightning.pytorch as pl
 import torch
+from typing_extensions import override
 
 from lightning_eagle.inference.acceptance import evaluate_acceptance, prompts_from_datamodule, resolve_prompts
 
@@ -88,6 +89,7 @@ class AcceptanceCallback(pl.Callback):
             self._target = KimiK3ForCausalLM.from_pretrained(self.target_path, dtype=torch.float32, device=device)
         return self._target
 
+    @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or trainer.current_epoch % self.every_n_epochs:
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 from lightning_eagle.draft.export import export_draft
 
@@ -22,6 +23,7 @@ class ExportDraftCallback(pl.Callback):
     def resolved_out_dir(self, trainer: pl.Trainer) -> Path:
         return self.out_dir if self.out_dir is not None else Path(trainer.default_root_dir) / "draft"
 
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module) -> None:
         import torch
 

@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from typing_extensions import override
 
 from lightning_eagle.checkpoint_io import AtomicCheckpointIO
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
@@ -204,6 +205,7 @@ class Eagle3Module(pl.LightningModule):
         """This rank's slice of routed experts (None = all); an expert-parallel strategy decides."""
         return _expert_range(self, self.target_config.num_experts)
 
+    @override
     def configure_model(self, vocab_mapping=None) -> None:
         """Build the frozen target (this rank's expert slice) — or, with ``target_source="features"``, only its
         teacher head — and the draft. Lightning calls it without arguments and the vocabulary map comes from the
@@ -255,6 +257,7 @@ class Eagle3Module(pl.LightningModule):
                 )
         return mapping
 
+    @override
     def setup(self, stage: str) -> None:
         precision = str(getattr(self.trainer, "precision", "32-true"))
         if precision in ("bf16-true", "16-true"):
@@ -371,6 +374,7 @@ class Eagle3Module(pl.LightningModule):
             sync_dist=not on_step,
         )
 
+    @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.shared_step(batch)
         self._log_step("train", out, batch["input_ids"].shape[0], on_step=True)
@@ -379,19 +383,24 @@ class Eagle3Module(pl.LightningModule):
         self.train_metrics.update(out)
         return out.loss
 
+    @override
     def on_train_epoch_end(self) -> None:
         self.log_dict({f"train/{k}": v for k, v in self.train_metrics.compute().items()}, sync_dist=False)
         self.train_metrics.reset()
 
+    @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._evaluation_step("val", batch)
 
+    @override
     def on_validation_epoch_end(self) -> None:
         self._log_evaluation_metrics("val")
 
+    @override
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._evaluation_step("test", batch)
 
+    @override
     def on_test_epoch_end(self) -> None:
         self._log_evaluation_metrics("test")
 
@@ -407,6 +416,7 @@ class Eagle3Module(pl.LightningModule):
         self.log(f"{prefix}/tau_sim", tau, prog_bar=True, sync_dist=False)
         self.val_metrics.reset()
 
+    @override
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         """The draft's TTT proposals for a batch: ``draft_tokens [K,B,T]`` (target ids; slot t at step k proposes
         the token after ``input_ids[t+k+1]``), the target's greedy tokens ``target_tokens [B,T]`` (same alignment
@@ -419,6 +429,7 @@ class Eagle3Module(pl.LightningModule):
             "tau_sim": out.tau_sim,
         }
 
+    @override
     def on_before_optimizer_step(self, optimizer) -> None:
         grads = [p.grad for p in self.draft.parameters() if p.grad is not None]
         if grads:
@@ -431,6 +442,7 @@ class Eagle3Module(pl.LightningModule):
         """Only the draft's trainable parameters (the frozen embedding copy is excluded)."""
         return [p for p in self.draft.parameters() if p.requires_grad]
 
+    @override
     def configure_optimizers(self):
         params = self.trainable_parameters()
         if self.optimizer_factory is not None:
@@ -447,6 +459,7 @@ class Eagle3Module(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- checkpoints: the draft only --------------------------------------------------------------------------------
+    @override
     def state_dict(self, *args, **kwargs):
         state = super().state_dict(*args, **kwargs)
         prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
@@ -455,6 +468,7 @@ class Eagle3Module(pl.LightningModule):
             del state[key]
         return state
 
+    @override
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Strict on the draft (missing or unexpected draft keys raise); the target is never in a checkpoint."""
         draft_state = {k[len("draft.") :]: v for k, v in state_dict.items() if k.startswith("draft.")}
@@ -484,6 +498,7 @@ class Eagle3Module(pl.LightningModule):
                 "would mean other tokens. Use the same data/tokenizer/draft_vocab_size, or start a fresh run"
             )
 
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_CONFIG_KEY] = self.draft_config.to_dict()
         checkpoint[TARGET_FINGERPRINT_KEY] = self.target_fingerprint
@@ -492,6 +507,7 @@ class Eagle3Module(pl.LightningModule):
             _collect_rng_states(include_cuda=torch.cuda.is_available())
         )
 
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if RNG_STATES_KEY in checkpoint and self._trainer is not None and self.trainer.state.fn == "fit":
             _set_rng_states(rng_states_from_checkpoint(checkpoint[RNG_STATES_KEY]))
