@@ -1,6 +1,8 @@
 """Command line: ``lightning-eagle {fit,validate,test,predict} --config …`` (LightningCLI),
 ``lightning-eagle export CHECKPOINT OUT_DIR`` (serving export of a trained draft) and
-``lightning-eagle dump --config …`` (the target's features, stored once for offline training).
+``lightning-eagle dump --config …`` (the target's features, stored once for offline training) and
+``lightning-eagle data-report --config …`` (what the data looks like before a run) and
+``lightning-eagle regenerate IN OUT --target …|--base-url …`` (assistant turns rewritten by the target).
 
 * ``--config quickstart`` (or ``kimi_k3_eagle3``) names a config shipped inside the package.
 * Everything a run writes lives under ``trainer.default_root_dir`` unless a path is set explicitly: checkpoints in
@@ -49,6 +51,8 @@ class Eagle3CLI(LightningCLI):
         extra = {
             "export": "Write a trained draft for serving",
             "dump": "Store the frozen target's features once, to train drafts without it",
+            "data-report": "Rows, refusals, lengths, roles and draft-vocab coverage of the config's data",
+            "regenerate": "Rewrite a chat file's assistant turns with the target's own responses",
         }
         for name, text in extra.items():
             stub = argparse.ArgumentParser(prog=name, add_help=False)
@@ -167,6 +171,14 @@ def _run(words: list[str], from_sys_argv: bool) -> None:
         return export_main(words[1:])
     if words and words[0] == "dump":
         return dump_main(words[1:], from_sys_argv)
+    if words and words[0] == "regenerate":
+        from lightning_eagle.data.regenerate import main as regenerate_main
+
+        return regenerate_main(words[1:])
+    if words and words[0] == "data-report":
+        from lightning_eagle.data.report import main as report_main
+
+        return report_main(words[1:], from_sys_argv)
     _make_cli(_resolve_packaged_configs(words), from_sys_argv)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_eagle.data.dataset import EncodeOptions, TokenizedChatDataset, collate_chat_rows
+from lightning_eagle.data.formats import FORMATS
 from lightning_eagle.data.loss_mask import (
     KIMI_K3_DEFAULTS,
     XTML_MARKERS,
@@ -57,7 +58,8 @@ class _Collate:
 
 
 class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
-    """Chat conversations (JSONL/JSON) or pre-tokenized rows -> ``input_ids``, ``attention_mask``, ``loss_mask``.
+    """Chat conversations (ShareGPT or OpenAI messages) or pre-tokenized rows, from JSON / JSONL (``.gz`` / ``.zst``)
+    or Parquet files, globs or directories -> ``input_ids``, ``attention_mask``, ``loss_mask``.
 
     Rows are rendered in K3 XTML (generation prompt off), cut to ``max_length``, masked by the loss-mask recovery the
     tokenizer selects (``kimi_k3`` for K3), cached on disk, split deterministically into train/val and right-padded
@@ -69,8 +71,14 @@ class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
     ``<|end_of_msg|>``, the id the K3 model config calls eos), ``pad_token_id``, ``draft_vocab_size``.
 
     Args:
-        train_files: JSONL/JSON files of rows; None = the bundled synthetic sample.
-        val_files: explicit validation files; if None, ``val_fraction`` of the training rows is held out.
+        train_files: files, globs (``data/*.jsonl``) or directories of shards (every ``.jsonl``, ``.json``,
+            ``.jsonl.gz``, ``.json.gz``, ``.jsonl.zst``, ``.json.zst`` and ``.parquet`` file inside, sorted); None =
+            the bundled synthetic sample.
+        val_files: explicit validation files (same forms); if None, ``val_fraction`` of the training rows is held out.
+        format: how rows are read: ``"auto"`` (per file: ``conversations`` -> ShareGPT, ``messages`` -> OpenAI,
+            ``input_ids`` -> pre-tokenized), or force ``"sharegpt"``, ``"openai"`` (chat messages; pre-tokenized rows
+            may be mixed in) or ``"tokens"`` (pre-tokenized only). See :mod:`lightning_eagle.data.formats` for the
+            role table.
         tokenizer: ``"synthetic"`` (golden K3 layout), ``"synthetic-k2"``, or a Kimi tokenizer directory (a
             ``KimiTokenizer`` object is accepted from Python).
         max_length: rows are right-cut to this many tokens before masking (cut rows are counted).
@@ -86,7 +94,8 @@ class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
         on_bad_row: ``"raise"`` on the first malformed row (file:line: field: problem) or ``"skip"`` and count it.
         cache_dir: tokenized-data cache root (default ``$LIGHTNING_EAGLE_CACHE`` or ``~/.cache/lightning_eagle``);
             ``use_cache=False`` disables reading and writing it.
-        tokenize_workers: processes for tokenization; None = automatic (in-process below 2000 rows).
+        tokenize_workers: processes for tokenization; None = automatic (in-process below 2000 rows). Rows are streamed
+            to them in bounded chunks, each written to the cache as it completes (a killed run resumes).
         loader_workers: ``DataLoader`` worker processes.
         pad_to_max_length: pad every batch to ``max_length`` instead of its longest row.
         shuffle: shuffle training rows each epoch.
@@ -96,6 +105,7 @@ class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
         self,
         train_files: list[str] | str | None = None,
         val_files: list[str] | str | None = None,
+        format: Literal["auto", "sharegpt", "openai", "tokens"] = "auto",
         tokenizer: str = "synthetic",
         max_length: int = 4096,
         batch_size: int = 8,
@@ -126,12 +136,15 @@ class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if on_bad_row not in ("raise", "skip"):
             raise ValueError(f"on_bad_row must be 'raise' or 'skip', got {on_bad_row!r}")
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {list(FORMATS)}, got {format!r}")
         self.save_hyperparameters()
         self.train_files = _as_file_list(train_files) or [str(bundled_sample_path())]
         self.val_files = _as_file_list(val_files)
         self.batch_size, self.max_length, self.seed = batch_size, max_length, seed
         self.val_fraction, self.shuffle, self.pad_to_max_length = val_fraction, shuffle, pad_to_max_length
         self.on_bad_row, self.tokenize_workers, self.loader_workers = on_bad_row, tokenize_workers, loader_workers
+        self.format = format
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.use_cache = use_cache
         self.render_options = {"thinking": thinking, "thinking_effort": thinking_effort}
@@ -209,6 +222,7 @@ class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
             recovery_name=self.recovery.name,
             recovery_options=dict(self.recovery_options),
             on_bad_row=self.on_bad_row,
+            format=self.format,
         )
 
     def _load(self, files: list[str]) -> TokenizedChatDataset:

@@ -1,7 +1,9 @@
-"""Reading chat rows from JSONL / JSON files and validating them, with errors that name file, line and field.
+"""Chat rows and their validation, with errors that name file, line and field.
 
-A row is either a conversation ``{"messages": [...], "tools": [...]?}`` (OpenAI-style messages with roles
-``system``/``user``/``assistant``/``tool``) or a pre-tokenized row ``{"input_ids": [...], "loss_mask": [...]?}``.
+A (normalized) row is either a conversation ``{"messages": [...], "tools": [...]?}`` (OpenAI-style messages with
+roles ``system``/``user``/``assistant``/``tool``) or a pre-tokenized row ``{"input_ids": [...], "loss_mask": [...]?}``.
+Files in other formats (ShareGPT, Parquet, compressed JSONL, globs, directories) are read and normalized to these
+by :mod:`lightning_eagle.data.formats`; :func:`iter_raw_rows` is the entry point.
 """
 
 from __future__ import annotations
@@ -35,14 +37,27 @@ class RowProblem(ValueError):
 
 @dataclass(frozen=True)
 class RawRow:
-    """One parsed JSON value and where it came from (``line`` is 1-based)."""
+    """One parsed row and where it came from (``line`` is 1-based: the line of a JSON/JSONL file, the row of a Parquet
+    file). ``fields``: for a row normalized from another format, the source field of each message
+    (``conversations[3]``), so errors name what is in the file."""
 
     file: str
     line: int
     data: Any
+    fields: tuple[str, ...] | None = None
 
 
-def _describe(value: Any) -> str:
+@dataclass(frozen=True)
+class RawLine:
+    """One JSONL line not parsed yet (``text``): parsing is left to the tokenizer workers."""
+
+    file: str
+    line: int
+    text: str
+
+
+def describe_value(value: Any) -> str:
+    """``type json`` of a value, cut to 40 characters, for "expected X, got Y" messages."""
     if value is None:
         return "null"
     text = json.dumps(value, ensure_ascii=False, default=str)
@@ -53,32 +68,24 @@ def _describe(value: Any) -> str:
 
 def _expect(cond: bool, field: str, expected: str, value: Any) -> None:
     if not cond:
-        raise RowProblem(field, f"expected {expected}, got {_describe(value)}")
+        raise RowProblem(field, f"expected {expected}, got {describe_value(value)}")
 
 
-def iter_raw_rows(path: str | Path) -> Iterator[RawRow | DataRowError]:
-    """Yield rows of a ``.jsonl`` file (one JSON object per non-blank line) or a ``.json`` file (an array of
-    objects, or one object). A JSONL line that is not valid JSON is yielded as a :class:`DataRowError`; a ``.json``
-    file that does not parse raises (its rows cannot be told apart)."""
-    path = Path(path)
-    name = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataRowError(name, 1, "<file>", f"not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
-    if path.suffix == ".json":
-        yield from _iter_json_array(name, text)
-        return
-    for line_no, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            yield RawRow(name, line_no, json.loads(line))
-        except json.JSONDecodeError as exc:
-            yield DataRowError(name, line_no, "<json>", f"invalid JSON: {exc.msg} at column {exc.colno}")
+def iter_raw_rows(path: str | Path, format: str = "auto") -> Iterator[RawRow | DataRowError]:
+    """Normalized rows (``{"messages": ...}`` or ``{"input_ids": ...}``) of a file, glob or directory in any supported
+    format (:mod:`lightning_eagle.data.formats`; ``format="auto"`` detects it per file).
+
+    A JSONL line that is not valid JSON, or a row that cannot be normalized (a ShareGPT turn with an unknown role), is
+    yielded as a :class:`DataRowError`; a file that cannot be read at all (not UTF-8, a ``.json`` file that does not
+    parse, a broken compressed stream) raises one (its rows cannot be told apart)."""
+    from lightning_eagle.data.formats import iter_rows
+
+    return iter_rows(path, format)
 
 
-def _iter_json_array(name: str, text: str) -> Iterator[RawRow]:
+def iter_json_text(name: str, text: str) -> Iterator[RawRow]:
+    """Rows of a ``.json`` file's text: the elements of a top-level array (each with the line it starts on), or the one
+    top-level object."""
     decoder = json.JSONDecoder()
     idx, line, counted = 0, 1, 0
 

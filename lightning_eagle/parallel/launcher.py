@@ -5,6 +5,8 @@ notebooks use Lightning's ``_MultiProcessingLauncher`` instead, with two changes
 
 * before any process starts, the strategy validates the LightningModule's target config in the main process, so a
   layout error reaches the caller as its own type (from a worker it would arrive as ``ProcessRaisedException``);
+* forked workers run with one intra-op thread: the parent's OpenMP (libgomp) thread pool does not survive ``fork``,
+  and the first parallel op in a child (e.g. a ``torch.cat`` of a tokenized dataset) would hang forever;
 * at the end of ``fit`` rank 0 ships the trained weights to the main process. Lightning saves
   ``module.state_dict()``, which fails to load back when the draft holds FSDP2 DTensors ("Callable map_location not
   supported with _rebuild_wrapper_subclass"); here every rank first gathers full plain tensors
@@ -17,15 +19,27 @@ import os
 import tempfile
 from typing import Any
 
+import torch
 from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
+
+
+class _OneThreadAfterFork:
+    def __init__(self, function) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        torch.set_num_threads(1)
+        return self.function(*args, **kwargs)
 
 
 class ExpertParallelLauncher(_MultiProcessingLauncher):
     def launch(self, function, *args: Any, trainer=None, **kwargs: Any) -> Any:
         if trainer is not None and trainer.lightning_module is not None:
             self._strategy.validate_module(trainer.lightning_module)
+        if self._start_method == "fork":
+            function = _OneThreadAfterFork(function)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _collect_rank_zero_results(self, trainer, results: Any) -> _WorkerOutput | None:

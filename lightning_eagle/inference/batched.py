@@ -1,0 +1,398 @@
+"""Batched incremental decoding with the K3 target: several prompts per forward, left-padded, continuously refilled.
+
+:class:`~lightning_eagle.inference.incremental_target.IncrementalTarget` decodes rows of one common length (what
+speculative decoding needs, B = 1). Plain generation over many prompts wants the opposite: many rows of different
+lengths in one forward. The per-layer caches make that cheap because K3 has no positional encoding (NoPE MLA) and
+KDA carries a fixed-size state per row:
+
+* **KDA** layers keep, per row, the recurrent state ``S [B,h,K,V]`` (fp32) and the short-conv tails
+  ``3 × [B,W−1,D]`` — the same tensors as :class:`~lightning_eagle.inference.target_cache.KDALayerCache`, batched.
+  A left-padded prefill zeroes the raw projections at padding and runs the recurrence with no decay and no write
+  there (``g = 0``, ``β = 0``), exactly what the full forward does with a ``token_mask``
+  (:meth:`~lightning_eagle.target.kda.KimiDeltaAttention.forward`): the state and the tails leave the padding as
+  they entered it (zero), so a padded row continues as its unpadded self.
+* **MLA** layers keep keys ``[B,n,L,d_qk]`` and values ``[B,n,L,d_v]`` and one shared key mask ``valid [B,L]``
+  (False at a row's left padding). A decode step appends one position to every row; rows of different lengths
+  simply carry different amounts of left padding, which the mask hides. No position ids are needed (NoPE).
+
+Rows can therefore leave the batch (a finished sequence: :meth:`BatchedState.select`) and join it (a freshly
+prefilled group: :meth:`BatchedState.concat` left-pads the shorter MLA caches), which gives continuous batching in
+:class:`BatchedGenerator`: the batch is refilled from the queue whenever sequences finish. Decode steps reuse
+:func:`~lightning_eagle.inference.target_cache.kda_extend` and the MLA maths of
+:func:`~lightning_eagle.inference.target_cache.mla_extend`, so a row decodes as in
+:func:`~lightning_eagle.inference.plain.plain_generate` (identical at B = 1; at B > 1 only the matmul blocking of
+the BLAS kernels may differ, i.e. fp32 rounding, tested to give the same greedy tokens on the tiny target).
+
+Not implemented: paged / preallocated KV memory (keys are concatenated per step as in ``mla_extend``), prefix
+sharing between prompts, and chunked prefill of very long prompts (a prompt is prefilled in one forward).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lightning_eagle.inference.kda_state import chunk_kda_with_state, naive_recurrent_kda_with_state
+from lightning_eagle.inference.sampling import pick_token, target_probs
+from lightning_eagle.inference.speculative import make_generator
+from lightning_eagle.inference.target_cache import KDA_RECURRENCES, KDALayerCache, kda_extend
+from lightning_eagle.ops.mla import causal_additive_mask
+from lightning_eagle.target.attn_res import attn_res_mix
+from lightning_eagle.target.kda import causal_depthwise_conv, l2_normalize
+from lightning_eagle.target.kda_ops import kda_scale
+
+
+# ---- caches ----------------------------------------------------------------------------------------------------------
+@dataclass
+class BatchedState:
+    """Caches of a batch of sequences: per layer ``("kda", state, tails)`` or ``("mla", keys, values)``, plus the
+    MLA key mask ``valid [B,L]`` (False at left padding) shared by all MLA layers."""
+
+    layers: list[tuple]
+    valid: torch.Tensor  # [B,L] bool
+
+    @property
+    def batch_size(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+    def select(self, rows: torch.Tensor | Sequence[int]) -> BatchedState:
+        """Keep ``rows`` (in that order); leading positions that are padding in every kept row are dropped."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.valid.device)
+        valid = self.valid.index_select(0, rows)
+        used = valid.any(0).nonzero()
+        start = int(used[0]) if used.numel() else valid.shape[1]
+        layers = []
+        for kind, a, b in self.layers:
+            if kind == "kda":
+                layers.append((kind, a.index_select(0, rows), [t.index_select(0, rows) for t in b]))
+            else:
+                layers.append((kind, a.index_select(0, rows)[:, :, start:], b.index_select(0, rows)[:, :, start:]))
+        return BatchedState(layers, valid[:, start:])
+
+    @staticmethod
+    def concat(states: Sequence[BatchedState]) -> BatchedState:
+        """Stack batches of different lengths: shorter MLA caches get left padding (masked keys, zero values)."""
+        states = [s for s in states if s.batch_size]
+        if len(states) == 1:
+            return states[0]
+        L = max(s.length for s in states)
+
+        def pad(t: torch.Tensor, s: BatchedState) -> torch.Tensor:  # [B,n,l,d] -> [B,n,L,d]
+            return F.pad(t, (0, 0, L - s.length, 0))
+
+        layers = []
+        for i, (kind, _, _) in enumerate(states[0].layers):
+            if kind == "kda":
+                tails = [torch.cat([s.layers[i][2][j] for s in states]) for j in range(len(states[0].layers[i][2]))]
+                layers.append((kind, torch.cat([s.layers[i][1] for s in states]), tails))
+            else:
+                keys = torch.cat([pad(s.layers[i][1], s) for s in states])
+                values = torch.cat([pad(s.layers[i][2], s) for s in states])
+                layers.append((kind, keys, values))
+        valid = torch.cat([F.pad(s.valid, (L - s.length, 0), value=False) for s in states])
+        return BatchedState(layers, valid)
+
+
+def _kda_prefill(attn, x: torch.Tensor, keep: torch.Tensor, recurrence: str) -> tuple[torch.Tensor, tuple]:
+    """KDA over a left-padded prefill ``x [B,T,H]`` from an empty cache (``keep [B,T]``: False at padding).
+
+    The ops of :func:`kda_extend` with an empty cache, plus the padding rule of ``KimiDeltaAttention.forward``;
+    with no padding the two compute the same thing op for op."""
+    B, T, _ = x.shape
+    n, d = attn.num_heads, attn.head_dim
+    W1 = attn.q_conv1d.weight.shape[-1] - 1
+    D = n * d
+    keep_f = keep[..., None].float()
+    streams, tails = [], []
+    for proj, conv in ((attn.q_proj, attn.q_conv1d), (attn.k_proj, attn.k_conv1d), (attn.v_proj, attn.v_conv1d)):
+        raw = proj(x).float() * keep_f  # zero projections at padding = the zero tail an unpadded row starts from
+        full = torch.cat([x.new_zeros(B, W1, D, dtype=torch.float32), raw], dim=1)
+        streams.append(F.silu(causal_depthwise_conv(full, conv.weight.float(), None)[:, W1:]))
+        tails.append(full[:, full.shape[1] - W1 :])
+    q, k, v = (s.view(B, T, n, d) for s in streams)
+    q, k = l2_normalize(q), l2_normalize(k)
+    g = attn.decay(x) * keep_f[..., None]  # no decay and no write at padding: the zero state passes through
+    beta = torch.sigmoid(attn.b_proj(x).float()) * keep_f
+    if recurrence not in KDA_RECURRENCES:
+        raise ValueError(f"unknown KDA recurrence {recurrence!r}; choose one of {KDA_RECURRENCES}")
+    if recurrence == "chunk" or (recurrence == "auto" and T > 4 * attn.chunk_size):
+        o, state = chunk_kda_with_state(q, k, v, g, beta, kda_scale(d), attn.chunk_size, None)
+    else:
+        o, state = naive_recurrent_kda_with_state(q, k, v, g, beta, kda_scale(d), None)
+    o32 = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + attn.o_norm_eps) * attn.o_norm.weight.float()
+    gate = torch.sigmoid(attn.g_proj(x).float().view(B, T, n, d))
+    out = attn.o_proj((o32 * gate * keep_f[..., None]).to(x.dtype).reshape(B, T, D))
+    return out, ("kda", state, tails)
+
+
+def _mla_attend(attn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, x: torch.Tensor):
+    B, n, T, _ = q.shape
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * attn.scale
+    probs = torch.softmax(scores.float() + mask.float(), dim=-1).to(values.dtype)
+    o = torch.matmul(probs, values).transpose(1, 2).reshape(B, T, n * attn.v_head_dim)
+    return attn.gate_output(o, x)
+
+
+@torch.no_grad()
+def _forward(model, input_ids: torch.Tensor, state: BatchedState | None, keep: torch.Tensor | None, recurrence: str):
+    """One forward over ``input_ids [B,T]``: a prefill (``state`` None, ``keep`` the left-padding mask) or a decode
+    step (T = 1, every row real). Returns the last position's logits ``[B,V]`` and the new state."""
+    inner = model.model
+    p = inner.embed_tokens(input_ids)
+    B, T = input_ids.shape
+    if state is None:
+        valid = keep if keep is not None else torch.ones(B, T, dtype=torch.bool, device=p.device)
+    else:
+        valid = torch.cat([state.valid, torch.ones(B, T, dtype=torch.bool, device=p.device)], dim=1)
+    if state is None:
+        mask = causal_additive_mask(None if keep is None else valid, T, torch.float32, p.device)
+    else:  # [B,1,1,L]: every real cached key and the new ones (T = 1)
+        mask = torch.zeros(valid.shape, device=p.device).masked_fill(~valid, torch.finfo(torch.float32).min)
+        mask = mask[:, None, None, :]
+    new_layers: list[tuple] = []
+    bank: list[torch.Tensor] = []
+
+    for i, layer in enumerate(inner.layers):
+        cached = None if state is None else state.layers[i]
+
+        def token_mixer(x: torch.Tensor, layer=layer, cached=cached) -> torch.Tensor:
+            attn = layer.self_attn
+            if layer.is_kda:
+                if cached is None:
+                    out, entry = _kda_prefill(attn, x, valid, recurrence)
+                else:
+                    cache = KDALayerCache(state=cached[1], tails=cached[2])
+                    out = kda_extend(attn, x, cache, recurrence, rollbackable=False)
+                    entry = ("kda", cache.state, cache.tails)
+            else:
+                q, k, v = attn.project(x)
+                if cached is not None:
+                    k, v = torch.cat([cached[1], k], dim=2), torch.cat([cached[2], v], dim=2)
+                out, entry = _mla_attend(attn, q, k, v, mask, x), ("mla", k, v)
+            new_layers.append(entry)
+            return out
+
+        # K3DecoderLayer.forward with the cached token mixer (as IncrementalTarget._layer).
+        if layer.block_size is None:
+            h = p + token_mixer(layer.input_layernorm(p))
+            p = h + layer.channel_mixer(layer.post_attention_layernorm(h))
+            continue
+        a_in = p if not bank else attn_res_mix(p, bank, layer.self_attention_res_norm, layer.self_attention_res_proj)
+        if layer.layer_idx % layer.block_size == 0:
+            bank = [*bank, p]
+            p = token_mixer(layer.input_layernorm(a_in))
+        else:
+            p = p + token_mixer(layer.input_layernorm(a_in))
+        m_in = attn_res_mix(p, bank, layer.mlp_res_norm, layer.mlp_res_proj)
+        p = p + layer.channel_mixer(layer.post_attention_layernorm(m_in))
+    h = p
+    if model.config.attn_res_block_size is not None:
+        h = attn_res_mix(p, bank, inner.output_attn_res_norm, inner.output_attn_res_proj)
+    logits = model.lm_head(inner.norm(h[:, -1]))
+    return logits, BatchedState(new_layers, valid)
+
+
+def batched_prefill(
+    model, prompts: Sequence[Sequence[int]], pad_token_id: int = 0, kda_recurrence: str = "auto"
+) -> tuple[torch.Tensor, BatchedState]:
+    """Prefill left-padded ``prompts`` in one forward; returns the last-position logits ``[B,V]`` and the caches."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("batched_prefill needs at least one prompt and no empty prompt")
+    device = model.lm_head.weight.device
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), int(pad_token_id), dtype=torch.long)
+    keep = torch.zeros(len(prompts), T, dtype=torch.bool)
+    for b, prompt in enumerate(prompts):
+        ids[b, T - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+        keep[b, T - len(prompt) :] = True
+    padded = not bool(keep.all())
+    return _forward(model, ids.to(device), None, keep.to(device) if padded else None, kda_recurrence)
+
+
+def batched_step(
+    model, state: BatchedState, tokens: torch.Tensor, kda_recurrence: str = "auto"
+) -> tuple[torch.Tensor, BatchedState]:
+    """Append one token per row (``tokens [B]``); returns the new logits ``[B,V]`` and caches."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long, device=state.valid.device).view(-1, 1)
+    return _forward(model, tokens, state, None, kda_recurrence)
+
+
+# ---- sampling --------------------------------------------------------------------------------------------------------
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+    """The next token from one logits row: argmax at temperature 0; else a sample from
+    ``softmax(logits / temperature)`` restricted to the smallest set of tokens whose mass reaches ``top_p``
+    (nucleus sampling; ``top_p >= 1`` is exactly :func:`~lightning_eagle.inference.sampling.pick_token`)."""
+    if temperature <= 0 or top_p >= 1.0:
+        return pick_token(logits, temperature, generator)
+    if not 0.0 < top_p:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    probs = target_probs(logits, temperature)
+    sorted_probs, order = torch.sort(probs, descending=True)
+    before = torch.cumsum(sorted_probs, 0) - sorted_probs  # mass of the more likely tokens
+    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)  # the first token is always kept
+    choice = int(torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)[0])
+    return int(order[choice])
+
+
+# ---- continuous batching ---------------------------------------------------------------------------------------------
+@dataclass
+class GenerationRequest:
+    """One prompt to continue. ``seed`` seeds this request's own generator (None = from the global torch RNG), so a
+    sampled output does not depend on which other requests share its batch."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    key: Any = None
+
+
+@dataclass
+class GenerationResult:
+    key: Any
+    tokens: list[int]  # new tokens, the stop token included when one ended the sequence
+    stopped: bool  # ended on a stop token (else on max_new_tokens)
+    prompt_tokens: int = 0
+
+
+@dataclass
+class _Active:
+    request: GenerationRequest
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+
+
+class BatchedGenerator:
+    """Continuous batching over the incremental target: up to ``max_batch_size`` sequences decode together; when
+    some finish, queued requests are prefilled (as one left-padded group) and join the running batch.
+
+    ``submit`` queues requests, each ``step()`` admits what fits, runs one decode forward and returns the requests
+    that finished; :meth:`generate` does it all for a list. ``stop_token_ids`` end a sequence (the stop token is
+    kept in ``tokens``, as in :func:`~lightning_eagle.inference.plain.plain_generate`).
+    """
+
+    def __init__(
+        self,
+        model,
+        stop_token_ids: Iterable[int] = (),
+        max_batch_size: int = 8,
+        pad_token_id: int | None = None,
+        kda_recurrence: str = "auto",
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
+        self.model = model
+        self.stop = {int(t) for t in stop_token_ids}
+        self.max_batch_size = max_batch_size
+        vocab = model.config.vocab_size
+        pad = getattr(model.config, "pad_token_id", None) if pad_token_id is None else pad_token_id
+        self.pad_token_id = int(pad) if pad is not None and 0 <= int(pad) < vocab else 0
+        self.kda_recurrence = kda_recurrence
+        self.queue: deque[GenerationRequest] = deque()
+        self.active: list[_Active] = []
+        self.state: BatchedState | None = None
+        self.forwards = 0
+        self.generated_tokens = 0
+        self.seconds = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    def submit(self, request: GenerationRequest) -> None:
+        if not request.prompt:
+            raise ValueError(f"request {request.key!r}: empty prompt")
+        self.queue.append(request)
+
+    def __len__(self) -> int:
+        """Requests not finished yet (queued or decoding)."""
+        return len(self.queue) + len(self.active)
+
+    def _pick(self, row: _Active, logits: torch.Tensor) -> int:
+        r = row.request
+        return sample_token(logits, r.temperature, r.top_p, row.generator)
+
+    def _finished(self, row: _Active) -> bool:
+        return len(row.tokens) >= row.request.max_new_tokens or row.tokens[-1] in self.stop
+
+    def _result(self, row: _Active) -> GenerationResult:
+        stopped = bool(row.tokens) and row.tokens[-1] in self.stop
+        return GenerationResult(row.request.key, row.tokens, stopped, len(row.request.prompt))
+
+    @torch.no_grad()
+    def step(self) -> list[GenerationResult]:
+        """Admit queued requests into free slots (one prefill forward), then one decode forward for the sequences
+        that were already running. Returns the requests that finished in this step."""
+        start = time.perf_counter()
+        done: list[GenerationResult] = []
+        # Decode the running rows first (their next token is known), then admit: new rows start with the prefill.
+        if self.active:
+            last = torch.tensor([row.tokens[-1] for row in self.active], device=self.device)
+            logits, self.state = batched_step(self.model, self.state, last, self.kda_recurrence)
+            self.forwards += 1
+            self._advance(logits, done)
+        free = self.max_batch_size - len(self.active)
+        if free > 0 and self.queue:
+            group: list[_Active] = []
+            while self.queue and len(group) < free:
+                request = self.queue.popleft()
+                if request.max_new_tokens <= 0:
+                    done.append(GenerationResult(request.key, [], False, len(request.prompt)))
+                    continue
+                gen = make_generator(request.seed, self.device) if request.temperature > 0 else None
+                group.append(_Active(request, gen))
+            if group:
+                logits, state = batched_prefill(
+                    self.model, [row.request.prompt for row in group], self.pad_token_id, self.kda_recurrence
+                )
+                self.forwards += 1
+                self.active += group
+                self.state = state if self.state is None else BatchedState.concat([self.state, state])
+                self._advance(logits, done, offset=len(self.active) - len(group))
+        self.seconds += time.perf_counter() - start
+        return done
+
+    def _advance(self, logits: torch.Tensor, done: list[GenerationResult], offset: int = 0) -> None:
+        """Pick the next token of rows ``offset..`` from ``logits``; drop the rows that finish."""
+        rows = self.active[offset:]
+        greedy = [i for i, row in enumerate(rows) if row.request.temperature <= 0]
+        argmax = logits[greedy].argmax(-1).tolist() if greedy else []
+        picks = dict(zip(greedy, argmax))
+        keep: list[int] = list(range(offset))
+        for i, row in enumerate(rows):
+            row.tokens.append(int(picks[i]) if i in picks else self._pick(row, logits[i]))
+            self.generated_tokens += 1
+            if self._finished(row):
+                done.append(self._result(row))
+            else:
+                keep.append(offset + i)
+        if len(keep) < len(self.active):
+            self.active = [self.active[i] for i in keep]
+            self.state = self.state.select(keep) if keep else None
+
+    def generate(self, requests: Iterable[GenerationRequest]) -> list[GenerationResult]:
+        """Run ``requests`` to completion; results in request order."""
+        requests = list(requests)
+        for i, request in enumerate(requests):
+            self.submit(GenerationRequest(**{**request.__dict__, "key": i}))
+        results: dict[int, GenerationResult] = {}
+        while len(self):
+            for result in self.step():
+                results[result.key] = result
+        out = []
+        for i, request in enumerate(requests):
+            result = results[i]
+            result.key = request.key
+            out.append(result)
+        return out
