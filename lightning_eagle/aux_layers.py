@@ -1,7 +1,26 @@
-"""Which target layers EAGLE-3 taps: the one validation of ``aux_layer_ids`` shared by the K3 target, the draft
-config and inference. Dependency-free on purpose (parsing a draft config must not import transformers)."""
+"""Which target layers EAGLE-3 taps: the default ids and the one validation of ``aux_layer_ids``, shared by the K3
+target, the draft config and inference. Dependency-free on purpose (parsing a draft config must not import
+transformers)."""
 
 from __future__ import annotations
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default taps ``[1, L//2 - 1, L - 4]`` (0-based decoder-layer outputs; K3: ``[1, 45, 89]``)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def resolve_default_aux_layer_ids(num_layers: int) -> list[int]:
+    """The default taps, validated: they collide or fall outside a very shallow target, which must pass ids."""
+    default = default_aux_layer_ids(num_layers)
+    try:
+        return validate_aux_layer_ids(default, num_layers)
+    except ValueError as err:
+        raise ValueError(
+            f"the default EAGLE-3 aux_layer_ids [1, L//2-1, L-4] = {default} are invalid for a {num_layers}-layer "
+            f"target ({err}); pass aux_layer_ids explicitly (e.g. [1, {max(num_layers // 2, 2)}, {num_layers - 1}] "
+            "for k3-tiny: [1, 3, 5])"
+        ) from None
 
 
 def validate_aux_layer_ids(aux_layer_ids, num_hidden_layers: int | None, count: int | None = 3) -> list[int]:

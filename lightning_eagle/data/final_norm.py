@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_eagle.ops.norm import rms_norm
+from lightning_eagle.text_config import config_value, text_config_of
 
 FINAL_NORM_TYPES: Mapping[str, str] = MappingProxyType(
     {
@@ -37,29 +38,14 @@ FINAL_NORM_TYPES: Mapping[str, str] = MappingProxyType(
 K3_FINAL_NORM_KEY = "language_model.model.norm.weight"
 
 
-def _get(config: Any, name: str, default: Any = None) -> Any:
-    if isinstance(config, Mapping):
-        return config.get(name, default)
-    return getattr(config, name, default)
-
-
-def text_config_of(config: Any) -> Any:
-    """``text_config``, else ``llm_config``, else the config itself (dicts or config objects)."""
-    for name in ("text_config", "llm_config"):
-        sub = _get(config, name)
-        if sub is not None:
-            return sub
-    return config
-
-
 def select_final_norm_type(config: Any) -> str | None:
     """``"rmsnorm"`` / ``"gemma_rmsnorm"`` / None for a model config (dict or object); keyed on the text config."""
     if config is None:
         return None
     text = text_config_of(config)
-    if _get(text, "use_gemma_norm", False) is True:
+    if config_value(text, "use_gemma_norm", False) is True:
         return "gemma_rmsnorm"
-    model_type = _get(text, "model_type")
+    model_type = config_value(text, "model_type")
     return FINAL_NORM_TYPES.get(model_type) if isinstance(model_type, str) else None
 
 
@@ -92,7 +78,9 @@ def build_final_norm(config: Any, dtype: torch.dtype = torch.float32) -> FinalNo
     if norm_type is None:
         return None
     text = text_config_of(config)
-    return FinalNorm(norm_type, int(_get(text, "hidden_size")), float(_get(text, "rms_norm_eps", 1e-5)), dtype)
+    return FinalNorm(
+        norm_type, int(config_value(text, "hidden_size")), float(config_value(text, "rms_norm_eps", 1e-5)), dtype
+    )
 
 
 def load_final_norm_weight(

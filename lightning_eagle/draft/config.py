@@ -13,10 +13,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_eagle.aux_layers import resolve_default_aux_layer_ids
 from lightning_eagle.aux_layers import validate_aux_layer_ids as validate_taps
 
 NUM_AUX_HIDDEN_STATES = 3  # EAGLE-3 taps three target layers (fixed)
 DEFAULT_DRAFT_VOCAB_SIZE = 32000
+DEFAULT_TTT_STEPS, DEFAULT_STEP_DECAY = 7, 0.8  # K and the step-weight decay: the module and the config share them
 AUX_STREAMS = ("prefix", "mixed")
 
 # Fields a draft takes over from the target text config unless overridden.
@@ -76,8 +78,8 @@ class Eagle3DraftConfig:
     freeze_embeddings: bool = True
     aux_layer_ids: list[int] | None = None
     aux_hidden_state_stream: str | None = None
-    ttt_steps: int = 7
-    step_decay: float = 0.8
+    ttt_steps: int = DEFAULT_TTT_STEPS
+    step_decay: float = DEFAULT_STEP_DECAY
     bos_token_id: int | None = 163584
     eos_token_id: int | None = 163586
     pad_token_id: int | None = 163839
@@ -148,7 +150,7 @@ class Eagle3DraftConfig:
                 f"aux_hidden_state_stream must be one of {AUX_STREAMS}, got {self.aux_hidden_state_stream!r}"
             )
         if self.aux_layer_ids is not None:
-            validate_aux_layer_ids(self.aux_layer_ids, self.target_num_hidden_layers)
+            validate_taps(self.aux_layer_ids, self.target_num_hidden_layers, count=NUM_AUX_HIDDEN_STATES)
 
     # ---- construction -----------------------------------------------------------------------------------------------
     @classmethod
@@ -176,12 +178,7 @@ class Eagle3DraftConfig:
         num_layers = getattr(text, "num_hidden_layers", None)
         values["target_num_hidden_layers"] = num_layers
         if "aux_layer_ids" not in overrides and num_layers is not None:
-            default_ids = [1, num_layers // 2 - 1, num_layers - 4]
-            try:
-                validate_aux_layer_ids(default_ids, num_layers)
-            except ValueError as err:
-                raise ValueError(f"{err}; pass aux_layer_ids explicitly for this target") from None
-            values["aux_layer_ids"] = default_ids
+            values["aux_layer_ids"] = resolve_default_aux_layer_ids(num_layers)
         values["aux_hidden_state_stream"] = "prefix"
         if "num_attention_heads" in overrides and "num_key_value_heads" not in overrides:
             values["num_key_value_heads"] = None  # MLA: K/V heads follow the (overridden) query heads
@@ -204,11 +201,11 @@ class Eagle3DraftConfig:
         return dataclasses.replace(self, **changes)
 
 
-def validate_aux_layer_ids(ids: list[int], num_layers: int | None, warn_final: bool = False) -> None:
-    """Exactly 3 distinct ids in ``[0, L]`` (order preserved: it is ``fc``'s input order). ``L`` means the pre-norm
-    final state (`k3_target.md` §6.4); it has no portable engine meaning, so ``warn_final`` warns about it."""
+def warn_unportable_aux_layer_ids(ids: list[int], num_layers: int | None) -> None:
+    """Validate ``ids`` for an export and warn about ``L`` (the pre-norm final state, `k3_target.md` §6.4): it has
+    no portable engine meaning."""
     ids = validate_taps(ids, num_layers, count=NUM_AUX_HIDDEN_STATES)
-    if warn_final and num_layers is not None and num_layers in ids:
+    if num_layers is not None and num_layers in ids:
         warnings.warn(
             f"aux_layer_ids {ids} contain L={num_layers}: the model.norm tap (pre-norm final state) has no portable "
             "engine meaning; make sure the serving engine taps the same state",

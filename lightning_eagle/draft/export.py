@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from lightning_eagle.atomic import atomic_dir
 from lightning_eagle.checkpoint_io import load_checkpoint_file
 from lightning_eagle.draft import serving_format as fmt
-from lightning_eagle.draft.config import Eagle3DraftConfig, validate_aux_layer_ids
+from lightning_eagle.draft.config import Eagle3DraftConfig, warn_unportable_aux_layer_ids
 from lightning_eagle.draft.model import KimiK3Eagle3Draft
 
 # Key under which a training checkpoint stores ``Eagle3DraftConfig.to_dict()`` (the module's on_save_checkpoint).
@@ -55,7 +55,7 @@ def export_draft(
     if changes:
         config = config.replace(**changes)
     if config.aux_layer_ids is not None:
-        validate_aux_layer_ids(config.aux_layer_ids, config.target_num_hidden_layers, warn_final=True)
+        warn_unportable_aux_layer_ids(config.aux_layer_ids, config.target_num_hidden_layers)
     if include_embeddings is None:
         include_embeddings = not config.freeze_embeddings
     if not include_embeddings:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from lightning_eagle.draft.config import FIELDS_FROM_TARGET, Eagle3DraftConfig
+from lightning_eagle.text_config import text_config_of
 
 _RENAMES = (("model.layers.0.", "midlayer."), ("model.", ""))
 # Field types are strings (postponed annotations): ``int | None`` etc. may be null, ``bool`` fields are flags.
@@ -44,7 +45,7 @@ def config_from_reference(data: dict[str, Any]) -> Eagle3DraftConfig:
     512, SiTU betas 4.0 / 25.0, rms_norm_eps 1e-5, …), and where they do not they are known to be wrong (HEAD's 56
     heads / 18432 MLP, token ids 1/2/0; `k3_target.md` §1.1, §1.4), so the published values win there too.
     """
-    text = data.get("text_config") or data
+    text = text_config_of(data)
     values = {name: reference_value(name, text[name]) for name in FIELDS_FROM_TARGET if name in text}
     if "num_aux_hidden_states" in text:  # absent → 3, as the reference's getattr(config, name, 3)
         values["num_aux_hidden_states"] = reference_value("num_aux_hidden_states", text["num_aux_hidden_states"])

@@ -31,12 +31,12 @@ import torch
 from safetensors.torch import save_file
 
 from lightning_eagle.atomic import atomic_file
+from lightning_eagle.dtypes import DTYPES
 
 FORMAT = "lightning_eagle.features/1"
 PLAN_NAME, MANIFEST_NAME, VOCAB_MAP_NAME = "plan.json", "manifest.json", "vocab_map.safetensors"
 PROMPTS_NAME = "prompts.json"  # held-out prompts (token ids) for real speculative decoding, as the online run uses
 HIDDEN_KINDS = ("prenorm", "postnorm")
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # Fields of the plan that must agree between a dump and what reads or resumes it.
 IDENTITY_FIELDS = ("format", "target", "aux_layer_ids", "aux_stream", "hidden_states", "dtype", "data", "vocab_map")
 

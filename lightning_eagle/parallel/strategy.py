@@ -45,6 +45,7 @@ from lightning_eagle.parallel.launcher import ExpertParallelLauncher
 from lightning_eagle.parallel.memory import per_rank_memory_report
 from lightning_eagle.parallel.shard import enable_expert_parallel, expert_range
 from lightning_eagle.parallel.validate import validate_layout, validate_target_config
+from lightning_eagle.text_config import config_value, text_config_of
 
 START_METHODS = ("popen", "spawn", "fork")
 
@@ -142,10 +143,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
 
             config = read_config(Path(config_or_path))
         validate_target_config(config, aux_layer_ids)
-        text = (
-            config.get("text_config") if isinstance(config, dict) else getattr(config, "text_config", None)
-        ) or config
-        num_experts = text.get("num_experts") if isinstance(text, dict) else getattr(text, "num_experts", None)
+        text = text_config_of(config)
+        num_experts = config_value(text, "num_experts")
         if not isinstance(num_experts, int):
             raise ValueError(f"the target config has no integer num_experts (got {num_experts!r})")
         self._validate(world_size=self.world_size, num_experts=num_experts)

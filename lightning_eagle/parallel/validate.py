@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_eagle.aux_layers import validate_aux_layer_ids
+from lightning_eagle.text_config import config_value, text_config_of
+
 DISPATCHERS = ("torch", "deepep", "hybridep")
 
 
@@ -96,26 +99,18 @@ def validate_layout(
         )
 
 
-def _get(obj: Any, name: str) -> Any:
-    if obj is None:
-        return None
-    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-
-
 def validate_target_config(target_config: Any, aux_layer_ids: Sequence[int] | None = None) -> None:
     """Config-level gates: the text ``model_type`` must be ``kimi_linear`` and the aux ids must be valid.
 
     Reads every attribute with ``getattr(..., None)`` so a missing/None config gives a clean error, never an
     ``AttributeError``.
     """
-    text = _get(target_config, "text_config") or target_config
-    model_type = _get(text, "model_type")
+    text = text_config_of(target_config)
+    model_type = config_value(text, "model_type")
     if model_type != "kimi_linear":
         raise ValueError(
             f"the target's text config must have model_type 'kimi_linear' (Kimi K3), got {model_type!r}"
             + (" (no target config was given)" if text is None else "")
         )
     if aux_layer_ids is not None:
-        from lightning_eagle.target.capture import validate_aux_layer_ids
-
-        validate_aux_layer_ids(aux_layer_ids, _get(text, "num_hidden_layers"))
+        validate_aux_layer_ids(aux_layer_ids, config_value(text, "num_hidden_layers"))

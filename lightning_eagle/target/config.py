@@ -11,6 +11,8 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
+from lightning_eagle.aux_layers import default_aux_layer_ids
+
 SUPPORTED_ACTIVATIONS = ("situ",)
 MXFP4_GROUP = 32
 
@@ -21,11 +23,6 @@ def default_full_attn_layers(num_layers: int) -> list[int]:
     if num_layers not in layers:
         layers.append(num_layers)
     return layers
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's default taps ``[1, L//2 - 1, L - 4]`` (0-based decoder-layer outputs)."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
 
 
 class KimiK3TextConfig(PretrainedConfig):

@@ -27,7 +27,7 @@ class TTTMetrics(Metric):
     higher_is_better = True
     is_differentiable = False
 
-    def __init__(self, ttt_steps: int = 7, **kwargs) -> None:
+    def __init__(self, ttt_steps: int, **kwargs) -> None:
         super().__init__(**kwargs)
         self.ttt_steps = ttt_steps
         for name in _STATES:

@@ -26,7 +26,9 @@ from typing_extensions import override
 
 from lightning_eagle.checkpoint_io import AtomicCheckpointIO
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
+from lightning_eagle.draft.config import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS
 from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY
+from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.features.teacher_head import TeacherHead
 from lightning_eagle.parallel.validate import validate_layout, validate_target_config
 from lightning_eagle.target.config import text_config_from_dict
@@ -45,7 +47,6 @@ log = logging.getLogger(__name__)
 # The frozen target is in eval mode on purpose; Lightning's "modules in eval mode" warning would only alarm users.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TARGET_FINGERPRINT_KEY = "eagle_target_fingerprint"
 RNG_STATES_KEY = "eagle_rng_states"
 # Draft-config fields that are module arguments: the module's value is the only one (no second spelling in `draft`).
@@ -72,7 +73,7 @@ def load_frozen_target(owner: pl.LightningModule, target_path, dtype: str, exper
     strategy = trainer.strategy if trainer is not None else None
     config = read_config(Path(target_path))
     target = KimiK3ForCausalLM.from_pretrained(
-        target_path, dtype=_DTYPES[dtype], device=strategy.root_device if strategy is not None else "cpu",
+        target_path, dtype=DTYPES[dtype], device=strategy.root_device if strategy is not None else "cpu",
         expert_range=_expert_range(owner, config.num_experts), expert_storage=expert_storage,
     )  # fmt: skip
     if hasattr(strategy, "parallelize_target"):
@@ -138,8 +139,8 @@ class Eagle3Module(pl.LightningModule):
         target_source: Literal["online", "features"] = "online",
         aux_layer_ids: list[int] | None = None,
         aux_stream: Literal["prefix", "mixed"] = "prefix",
-        ttt_steps: int = 7,
-        step_decay: float = 0.8,
+        ttt_steps: int = DEFAULT_TTT_STEPS,
+        step_decay: float = DEFAULT_STEP_DECAY,
         draft: dict[str, Any] | None = None,
         attention_backend: str = "eager",
         draft_activation_checkpointing: bool = False,
@@ -215,7 +216,7 @@ class Eagle3Module(pl.LightningModule):
         device = self._root_device()
         if self.hparams.target_source == "features":
             head = TeacherHead.from_checkpoint(self.target_path, prenorm=self._features_prenorm(), dtype=torch.float32)
-            self.teacher_head = head.to(device=device, dtype=_DTYPES[self.hparams.target_dtype])
+            self.teacher_head = head.to(device=device, dtype=DTYPES[self.hparams.target_dtype])
             embedding = self.teacher_head.embed_tokens
         else:
             self.target = load_frozen_target(
@@ -230,7 +231,7 @@ class Eagle3Module(pl.LightningModule):
         draft.copy_embeddings_from(embedding)
         if mapping is not None:
             draft.set_vocab_mapping(mapping.selected)
-        self.draft = draft.to(device=device, dtype=_DTYPES[self.hparams.draft_dtype])
+        self.draft = draft.to(device=device, dtype=DTYPES[self.hparams.draft_dtype])
 
     def _features_manifest(self) -> dict[str, Any] | None:
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
@@ -483,7 +484,7 @@ class Eagle3Module(pl.LightningModule):
             result = draft.load_state_dict(draft_state, strict=True, assign=True)
             if self.draft_config.freeze_embeddings:
                 draft.freeze_embeddings()
-            self.draft = draft.to(dtype=_DTYPES[self.hparams.draft_dtype])
+            self.draft = draft.to(dtype=DTYPES[self.hparams.draft_dtype])
             return result
         return self.draft.load_state_dict(draft_state, strict=True, assign=assign)
 
