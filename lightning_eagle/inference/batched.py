@@ -17,13 +17,13 @@ KDA carries a fixed-size state per row:
 
 Rows can therefore leave the batch (a finished sequence: :meth:`BatchedState.select`) and join it (a freshly
 prefilled group: :meth:`BatchedState.concat` left-pads the shorter MLA caches), which gives continuous batching in
-:class:`BatchedGenerator`: the batch is refilled from the queue whenever sequences finish. Decode steps reuse
-:func:`~lightning_eagle.inference.target_cache.kda_extend` and the MLA maths of
-:func:`~lightning_eagle.inference.target_cache.mla_extend`, so a row decodes as in
+:class:`BatchedGenerator`: the batch is refilled from the queue whenever sequences finish. Prefills and decode steps
+run the target's own forward with the cached token mixers of :mod:`~lightning_eagle.inference.target_cache`
+(the KDA / MLA modules continue from the batched caches), so a row decodes as in
 :func:`~lightning_eagle.inference.plain.plain_generate` (identical at B = 1; at B > 1 only the matmul blocking of
 the BLAS kernels may differ, i.e. fp32 rounding, tested to give the same greedy tokens on the tiny target).
 
-Not implemented: paged / preallocated KV memory (keys are concatenated per step as in ``mla_extend``), prefix
+Not implemented: paged / preallocated KV memory (keys are concatenated per step by ``MLALayerCache.update``), prefix
 sharing between prompts, and chunked prefill of very long prompts (a prompt is prefilled in one forward).
 """
 
@@ -38,14 +38,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_eagle.inference.kda_state import chunk_kda_with_state, naive_recurrent_kda_with_state
 from lightning_eagle.inference.sampling import pick_token, target_probs
 from lightning_eagle.inference.speculative import make_generator
-from lightning_eagle.inference.target_cache import KDA_RECURRENCES, KDALayerCache, kda_extend
+from lightning_eagle.inference.target_cache import KDALayerCache, MLALayerCache, kda_extend
 from lightning_eagle.ops.mla import causal_additive_mask
-from lightning_eagle.target.attn_res import attn_res_mix
-from lightning_eagle.target.kda import causal_depthwise_conv, l2_normalize
-from lightning_eagle.target.kda_ops import kda_scale
 
 
 # ---- caches ----------------------------------------------------------------------------------------------------------
@@ -103,44 +99,24 @@ class BatchedState:
         return BatchedState(layers, valid)
 
 
-def _kda_prefill(attn, x: torch.Tensor, keep: torch.Tensor, recurrence: str) -> tuple[torch.Tensor, tuple]:
-    """KDA over a left-padded prefill ``x [B,T,H]`` from an empty cache (``keep [B,T]``: False at padding).
+def _layer_mixer(
+    layer, cached: tuple | None, keep: torch.Tensor | None, mask: torch.Tensor, recurrence: str, out: list
+):
+    """``layer``'s token mixer continued from ``cached`` (None = a prefill; ``keep [B,T]`` False at left padding);
+    appends the layer's new cache entry to ``out``."""
 
-    The ops of :func:`kda_extend` with an empty cache, plus the padding rule of ``KimiDeltaAttention.forward``;
-    with no padding the two compute the same thing op for op."""
-    B, T, _ = x.shape
-    n, d = attn.num_heads, attn.head_dim
-    W1 = attn.q_conv1d.weight.shape[-1] - 1
-    D = n * d
-    keep_f = keep[..., None].float()
-    streams, tails = [], []
-    for proj, conv in ((attn.q_proj, attn.q_conv1d), (attn.k_proj, attn.k_conv1d), (attn.v_proj, attn.v_conv1d)):
-        raw = proj(x).float() * keep_f  # zero projections at padding = the zero tail an unpadded row starts from
-        full = torch.cat([x.new_zeros(B, W1, D, dtype=torch.float32), raw], dim=1)
-        streams.append(F.silu(causal_depthwise_conv(full, conv.weight.float(), None)[:, W1:]))
-        tails.append(full[:, full.shape[1] - W1 :])
-    q, k, v = (s.view(B, T, n, d) for s in streams)
-    q, k = l2_normalize(q), l2_normalize(k)
-    g = attn.decay(x) * keep_f[..., None]  # no decay and no write at padding: the zero state passes through
-    beta = torch.sigmoid(attn.b_proj(x).float()) * keep_f
-    if recurrence not in KDA_RECURRENCES:
-        raise ValueError(f"unknown KDA recurrence {recurrence!r}; choose one of {KDA_RECURRENCES}")
-    if recurrence == "chunk" or (recurrence == "auto" and T > 4 * attn.chunk_size):
-        o, state = chunk_kda_with_state(q, k, v, g, beta, kda_scale(d), attn.chunk_size, None)
-    else:
-        o, state = naive_recurrent_kda_with_state(q, k, v, g, beta, kda_scale(d), None)
-    o32 = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + attn.o_norm_eps) * attn.o_norm.weight.float()
-    gate = torch.sigmoid(attn.g_proj(x).float().view(B, T, n, d))
-    out = attn.o_proj((o32 * gate * keep_f[..., None]).to(x.dtype).reshape(B, T, D))
-    return out, ("kda", state, tails)
+    def token_mixer(x: torch.Tensor) -> torch.Tensor:
+        if layer.is_kda:
+            cache = KDALayerCache() if cached is None else KDALayerCache(state=cached[1], tails=cached[2])
+            y = kda_extend(layer.self_attn, x, cache, recurrence, rollbackable=False, token_mask=keep)
+            out.append(("kda", cache.state, cache.tails))
+        else:
+            cache = MLALayerCache() if cached is None else MLALayerCache(cached[1], cached[2])
+            y = layer.self_attn(x, mask, cache=cache)
+            out.append(("mla", cache.keys, cache.values))
+        return y
 
-
-def _mla_attend(attn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, x: torch.Tensor):
-    B, n, T, _ = q.shape
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * attn.scale
-    probs = torch.softmax(scores.float() + mask.float(), dim=-1).to(values.dtype)
-    o = torch.matmul(probs, values).transpose(1, 2).reshape(B, T, n * attn.v_head_dim)
-    return attn.gate_output(o, x)
+    return token_mixer
 
 
 @torch.no_grad()
@@ -148,58 +124,19 @@ def _forward(model, input_ids: torch.Tensor, state: BatchedState | None, keep: t
     """One forward over ``input_ids [B,T]``: a prefill (``state`` None, ``keep`` the left-padding mask) or a decode
     step (T = 1, every row real). Returns the last position's logits ``[B,V]`` and the new state."""
     inner = model.model
-    p = inner.embed_tokens(input_ids)
     B, T = input_ids.shape
-    if state is None:
-        valid = keep if keep is not None else torch.ones(B, T, dtype=torch.bool, device=p.device)
-    else:
-        valid = torch.cat([state.valid, torch.ones(B, T, dtype=torch.bool, device=p.device)], dim=1)
-    if state is None:
-        mask = causal_additive_mask(None if keep is None else valid, T, torch.float32, p.device)
-    else:  # [B,1,1,L]: every real cached key and the new ones (T = 1)
-        mask = torch.zeros(valid.shape, device=p.device).masked_fill(~valid, torch.finfo(torch.float32).min)
-        mask = mask[:, None, None, :]
+    device = input_ids.device
+    new = torch.ones(B, T, dtype=torch.bool, device=device) if keep is None else keep
+    valid = new if state is None else torch.cat([state.valid, new], dim=1)
+    past = valid.shape[1] - T
+    mask = causal_additive_mask(None if keep is None and state is None else valid, T, torch.float32, device, past)
     new_layers: list[tuple] = []
-    bank: list[torch.Tensor] = []
-
-    for i, layer in enumerate(inner.layers):
-        cached = None if state is None else state.layers[i]
-
-        def token_mixer(x: torch.Tensor, layer=layer, cached=cached) -> torch.Tensor:
-            attn = layer.self_attn
-            if layer.is_kda:
-                if cached is None:
-                    out, entry = _kda_prefill(attn, x, valid, recurrence)
-                else:
-                    cache = KDALayerCache(state=cached[1], tails=cached[2])
-                    out = kda_extend(attn, x, cache, recurrence, rollbackable=False)
-                    entry = ("kda", cache.state, cache.tails)
-            else:
-                q, k, v = attn.project(x)
-                if cached is not None:
-                    k, v = torch.cat([cached[1], k], dim=2), torch.cat([cached[2], v], dim=2)
-                out, entry = _mla_attend(attn, q, k, v, mask, x), ("mla", k, v)
-            new_layers.append(entry)
-            return out
-
-        # K3DecoderLayer.forward with the cached token mixer (as IncrementalTarget._layer).
-        if layer.block_size is None:
-            h = p + token_mixer(layer.input_layernorm(p))
-            p = h + layer.channel_mixer(layer.post_attention_layernorm(h))
-            continue
-        a_in = p if not bank else attn_res_mix(p, bank, layer.self_attention_res_norm, layer.self_attention_res_proj)
-        if layer.layer_idx % layer.block_size == 0:
-            bank = [*bank, p]
-            p = token_mixer(layer.input_layernorm(a_in))
-        else:
-            p = p + token_mixer(layer.input_layernorm(a_in))
-        m_in = attn_res_mix(p, bank, layer.mlp_res_norm, layer.mlp_res_proj)
-        p = p + layer.channel_mixer(layer.post_attention_layernorm(m_in))
-    h = p
-    if model.config.attn_res_block_size is not None:
-        h = attn_res_mix(p, bank, inner.output_attn_res_norm, inner.output_attn_res_proj)
-    logits = model.lm_head(inner.norm(h[:, -1]))
-    return logits, BatchedState(new_layers, valid)
+    mixers = [
+        _layer_mixer(layer, None if state is None else state.layers[i], keep, mask, recurrence, new_layers)
+        for i, layer in enumerate(inner.layers)
+    ]
+    hidden = inner(input_ids, token_mixers=mixers)
+    return model.lm_head(hidden[:, -1]), BatchedState(new_layers, valid)
 
 
 def batched_prefill(

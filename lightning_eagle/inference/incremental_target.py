@@ -1,8 +1,9 @@
 """Incremental K3 target inference: prefill a prompt, extend by one or several tokens, roll back to a prefix.
 
-:class:`IncrementalTarget` runs the target's own modules (embedding, AttnRes mixers, norms, MLP/MoE, head) and swaps
-only the token mixers for their cached forms (:mod:`lightning_eagle.inference.target_cache`). Along the way it taps
-the EAGLE-3 aux states with the meaning of :mod:`lightning_eagle.target.capture`:
+:class:`IncrementalTarget` runs the target's own forward (``KimiK3TextModel.forward``: embedding, decoder layers,
+output mixer, final norm) with each layer's token mixer continued from its cache
+(:mod:`lightning_eagle.inference.target_cache`). It taps the EAGLE-3 aux states with the hooks of
+:func:`lightning_eagle.target.capture.aux_taps`, so their meaning is that of a full capture:
 
 * ``"prefix"`` id i < L: the output of decoder layer i (the raw in-block prefix under AttnRes);
 * ``"mixed"`` id i < L−1: what layer i+1's attention reads (its AttnRes mix, before ``input_layernorm``);
@@ -14,13 +15,14 @@ Outputs with the cache equal a full ``target.capture(...)`` over the whole seque
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from lightning_eagle.inference.target_cache import KDALayerCache, MLALayerCache, kda_extend, mla_extend
-from lightning_eagle.target.attn_res import attn_res_mix
-from lightning_eagle.target.capture import AUX_STREAMS, validate_aux_layer_ids
+from lightning_eagle.inference.target_cache import KDALayerCache, MLALayerCache, kda_extend
+from lightning_eagle.target.capture import aux_taps, check_aux_stream, stack_taps, validate_aux_layer_ids
 
 
 @dataclass
@@ -51,8 +53,7 @@ class IncrementalTarget:
         aux_stream: str = "prefix",
         kda_recurrence: str = "auto",
     ) -> None:
-        if aux_stream not in AUX_STREAMS:
-            raise ValueError(f"aux_stream must be one of {AUX_STREAMS}, got {aux_stream!r}")
+        check_aux_stream(aux_stream)
         self.model = model
         self.layers = model.model.layers
         L = len(self.layers)
@@ -106,24 +107,15 @@ class IncrementalTarget:
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         input_ids = input_ids.to(self.device)
-        taps: dict[int, torch.Tensor] = {}
-        wanted = set(self.aux_layer_ids or ())
-        L = len(self.layers)
-        p = self.model.model.embed_tokens(input_ids)
-        bank: list[torch.Tensor] = []
-        for i, (layer, cache) in enumerate(zip(self.layers, self.caches)):
-            p, bank, a_in = self._layer(layer, cache, p, bank, rollbackable)
-            if self.aux_stream == "mixed" and i - 1 in wanted and i - 1 < L - 1:
-                taps[i - 1] = a_in  # what layer i's attention reads
-            if self.aux_stream == "prefix" and i in wanted:
-                taps[i] = p
-        h = p
-        if self.model.config.attn_res_block_size is not None:
-            h = attn_res_mix(p, bank, self.model.model.output_attn_res_norm, self.model.model.output_attn_res_proj)
-        for i in wanted:
-            if i == L or (self.aux_stream == "mixed" and i == L - 1):
-                taps[i] = h  # the final norm's input (after the output mixer)
-        hidden = self.model.model.norm(h)
+        mixers = [
+            partial(kda_extend, layer.self_attn, cache=cache, recurrence=self.kda_recurrence, rollbackable=rollbackable)
+            if layer.is_kda
+            else partial(layer.self_attn, cache=cache)  # NoPEMLA.forward: causal over cache + new
+            for layer, cache in zip(self.layers, self.caches)
+        ]
+        ids = self.aux_layer_ids
+        with aux_taps(self.model, ids, self.aux_stream) if ids else nullcontext({}) as taps:
+            hidden = self.model.model(input_ids, token_mixers=mixers)
         if return_logits == "last":
             logits = self.model.lm_head(hidden[:, -1:])
         elif return_logits:
@@ -135,26 +127,5 @@ class IncrementalTarget:
         else:
             self._rollback_floor = self.length + input_ids.shape[1]
         self.length += input_ids.shape[1]
-        aux = torch.cat([taps[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else None
+        aux = stack_taps(taps, ids) if ids else None
         return TargetStep(logits=logits, aux_hidden_states=aux, hidden_states=hidden)
-
-    def _layer(self, layer, cache, p: torch.Tensor, bank: list[torch.Tensor], rollbackable: bool):
-        """``K3DecoderLayer.forward`` with the cached token mixer; also returns the attention input ``a_in``."""
-
-        def token_mixer(x: torch.Tensor) -> torch.Tensor:
-            if layer.is_kda:
-                return kda_extend(layer.self_attn, x, cache, self.kda_recurrence, rollbackable)
-            return mla_extend(layer.self_attn, x, cache)
-
-        if layer.block_size is None:  # plain pre-norm residual stream
-            h = p + token_mixer(layer.input_layernorm(p))
-            return h + layer.channel_mixer(layer.post_attention_layernorm(h)), bank, p
-        a_in = p if not bank else attn_res_mix(p, bank, layer.self_attention_res_norm, layer.self_attention_res_proj)
-        commit = layer.layer_idx % layer.block_size == 0
-        if commit:
-            bank = [*bank, p]
-        att = token_mixer(layer.input_layernorm(a_in))
-        p = att if commit else p + att
-        m_in = attn_res_mix(p, bank, layer.mlp_res_norm, layer.mlp_res_proj)
-        p = p + layer.channel_mixer(layer.post_attention_layernorm(m_in))
-        return p, bank, a_in

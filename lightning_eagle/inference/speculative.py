@@ -16,8 +16,8 @@ emit more than the ``max_new_tokens`` budget, and a stop token may end a round e
 verification outcome ``a`` is kept as measured.
 
 Tree drafting is an extension point: any :class:`~lightning_eagle.inference.draft_runner.Drafter` can be passed as
-``draft``; a tree verifier would replace steps 2–3 with a tree-masked target forward (``mla_extend`` takes the mask
-in one place) and a per-branch KDA state — not implemented.
+``draft``; a tree verifier would replace steps 2–3 with a tree-masked target forward (``NoPEMLA.forward`` with a
+``cache`` takes the mask in one place) and a per-branch KDA state — not implemented.
 """
 
 from __future__ import annotations

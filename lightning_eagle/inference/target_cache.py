@@ -1,4 +1,4 @@
-"""Per-layer decoding caches of the K3 target and the token mixers that continue from them.
+"""Per-layer decoding caches of the K3 target and the cached token mixers that use them.
 
 Only K3's token mixers carry information across positions; embeddings, AttnRes mixing, norms, MLP/MoE and the head are
 per-token. So the cache of the whole target is one entry per layer:
@@ -28,12 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from lightning_eagle.inference.kda_state import chunk_kda_with_state, naive_recurrent_kda_with_state
-from lightning_eagle.ops.mla import NoPEMLA
-from lightning_eagle.target.kda import KimiDeltaAttention, causal_depthwise_conv, l2_normalize
-from lightning_eagle.target.kda_ops import kda_scale
+from lightning_eagle.target.kda import KimiDeltaAttention, roll_conv_state
+from lightning_eagle.target.kda_ops import kda_scale, naive_recurrent_kda
 
 KDA_RECURRENCES = ("auto", "naive", "chunk")
 
@@ -43,7 +40,8 @@ class MLALayerCache:
     keys: torch.Tensor | None = None  # [B,n,L,d_qk]
     values: torch.Tensor | None = None  # [B,n,L,d_v]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new keys/values; returns all of them (the ``cache`` protocol of :meth:`NoPEMLA.forward`)."""
         self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
         self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
         return self.keys, self.values
@@ -76,29 +74,10 @@ class KDALayerCache:
             raise RuntimeError("no rollbackable KDA extension to shorten")
         q, k, v, g, beta = (t[:, :keep] for t in ext.inputs)
         scale = kda_scale(q.shape[-1])
-        _, self.state = naive_recurrent_kda_with_state(q, k, v, g, beta, scale, ext.state)
-        W1 = ext.tails[0].shape[1]
-        self.tails = [
-            torch.cat([tail, raw[:, :keep]], dim=1)[:, -W1:] if W1 else tail for tail, raw in zip(ext.tails, ext.raws)
-        ]
+        _, self.state = naive_recurrent_kda(q, k, v, g, beta, scale, initial_state=ext.state, output_final_state=True)
+        self.tails = [roll_conv_state(tail, raw[:, :keep]) for tail, raw in zip(ext.tails, ext.raws)]
         ext.inputs = tuple(t[:, :keep] for t in ext.inputs)
         ext.raws = [raw[:, :keep] for raw in ext.raws]
-
-
-def mla_extend(attn: NoPEMLA, x: torch.Tensor, cache: MLALayerCache) -> torch.Tensor:
-    """MLA over ``x [B,T,H]`` (the normalised layer input of T new tokens) attending to the cached prefix plus
-    themselves, causally; the same ops as :meth:`NoPEMLA.forward` with keys offset by the cached length."""
-    q, k, v = attn.project(x)
-    keys, values = cache.append(k, v)
-    B, n, T, _ = q.shape
-    L = keys.shape[2]
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * attn.scale
-    # New token i stands at absolute position L−T+i and may see keys 0..L−T+i.
-    allowed = torch.arange(L, device=x.device)[None, :] <= torch.arange(L - T, L, device=x.device)[:, None]
-    mask = torch.zeros(T, L, dtype=scores.dtype, device=x.device).masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores.float() + mask.float(), dim=-1).to(values.dtype)
-    o = torch.matmul(probs, values).transpose(1, 2).reshape(B, T, n * attn.v_head_dim)
-    return attn.gate_output(o, x)
 
 
 def kda_extend(
@@ -107,38 +86,27 @@ def kda_extend(
     cache: KDALayerCache,
     recurrence: str = "auto",
     rollbackable: bool = True,
+    token_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """KDA over ``x [B,T,H]`` continuing from the cached conv tails and state (the maths of
-    :meth:`KimiDeltaAttention.forward` for an unpadded single-document row, reusing its projections, decay and norm
-    helpers). ``recurrence``: ``"naive"`` per token, ``"chunk"`` chunked, ``"auto"`` = chunked only for long inputs."""
-    B, T, _ = x.shape
-    n, d = attn.num_heads, attn.head_dim
-    W1 = attn.q_conv1d.weight.shape[-1] - 1
-    D = n * d
-    tails = cache.tails or [x.new_zeros(B, W1, D, dtype=torch.float32) for _ in range(3)]
-    raws, streams, new_tails = [], [], []
-    for tail, proj, conv in zip(
-        tails, (attn.q_proj, attn.k_proj, attn.v_proj), (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d)
-    ):
-        raw = proj(x).float()
-        full = torch.cat([tail, raw], dim=1)  # the tail plays the role of the full forward's earlier tokens
-        streams.append(F.silu(causal_depthwise_conv(full, conv.weight.float(), None)[:, W1:]))
-        raws.append(raw)
-        new_tails.append(full[:, full.shape[1] - W1 :])
-    q, k, v = (s.view(B, T, n, d) for s in streams)
-    q, k = l2_normalize(q), l2_normalize(k)
-    g = attn.decay(x)
-    beta = torch.sigmoid(attn.b_proj(x).float())
+    """KDA over ``x [B,T,H]`` continuing from the cached conv tails and state (``token_mask``: False at left
+    padding, prefills only). ``recurrence``: ``"naive"`` per token, ``"chunk"`` chunked, ``"auto"`` = chunked only for
+    long inputs."""
     if recurrence not in KDA_RECURRENCES:
         raise ValueError(f"unknown KDA recurrence {recurrence!r}; choose one of {KDA_RECURRENCES}")
+    B, T, _ = x.shape
     use_chunk = recurrence == "chunk" or (recurrence == "auto" and T > 4 * attn.chunk_size)
-    if use_chunk:
-        o, state = chunk_kda_with_state(q, k, v, g, beta, kda_scale(d), attn.chunk_size, cache.state)
-    else:
-        o, state = naive_recurrent_kda_with_state(q, k, v, g, beta, kda_scale(d), cache.state)
-    cache.extension = _KDAExtension(cache.state, tails, raws, (q, k, v, g, beta)) if rollbackable else None
-    cache.state, cache.tails = state, new_tails
-    # Gated per-head output norm and projection, as in KimiDeltaAttention.forward.
-    o32 = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + attn.o_norm_eps) * attn.o_norm.weight.float()
-    gate = torch.sigmoid(attn.g_proj(x).float().view(B, T, n, d))
-    return attn.o_proj((o32 * gate).to(x.dtype).reshape(B, T, D))
+    W1, D = attn.q_conv1d.weight.shape[-1] - 1, attn.num_heads * attn.head_dim
+    tails = cache.tails or [x.new_zeros(B, W1, D, dtype=torch.float32) for _ in range(3)]
+    o, final = attn(
+        x,
+        token_mask,
+        initial_state=cache.state,
+        conv_state=tails,
+        output_final_state=True,
+        backend="chunk" if use_chunk else "naive",
+    )
+    cache.extension = (
+        _KDAExtension(cache.state, tails, final.projections, final.recurrence_inputs) if rollbackable else None
+    )
+    cache.state, cache.tails = final.recurrent_state, final.conv_state
+    return o

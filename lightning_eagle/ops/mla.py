@@ -88,28 +88,38 @@ class NoPEMLA(nn.Module):
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Eager attention. ``mask``: additive ``[B,1,T,T]`` (``finfo.min`` where disallowed); None = causal."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Eager attention. ``mask``: additive ``[B|1,1,T,L]`` over the ``L`` keys (``finfo.min`` where disallowed);
+        None = causal. ``cache``: a key/value cache whose ``update(k, v)`` appends this call's keys and values and
+        returns all of them (incremental decoding: the ``T`` new tokens attend to the cached prefix and, causally,
+        to each other)."""
         q, k, v = self.project(x)
+        if cache is not None:
+            k, v = cache.update(k, v)
         B, n, T, _ = q.shape
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         if mask is None:
-            mask = causal_additive_mask(None, T, dtype=scores.dtype, device=scores.device)
+            mask = causal_additive_mask(None, T, scores.dtype, scores.device, past_length=k.shape[2] - T)
         probs = torch.softmax(scores.float() + mask.float(), dim=-1).to(v.dtype)
         o = torch.matmul(probs, v).transpose(1, 2).reshape(B, T, n * self.v_head_dim)
         return self.gate_output(o, x)
 
 
 def causal_additive_mask(
-    attention_mask: torch.Tensor | None, T: int, dtype: torch.dtype, device: torch.device | str
+    attention_mask: torch.Tensor | None,
+    T: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    past_length: int = 0,
 ) -> torch.Tensor:
-    """Additive ``[B|1,1,T,T]`` mask: causal ∧ key-not-padding; a padding query row may attend to key 0 only."""
-    allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+    """Additive ``[B|1,1,T,past_length+T]`` mask: causal ∧ key-not-padding; a padding query row may attend to key 0
+    only. ``past_length`` keys (a cached prefix) precede the ``T`` queries; ``attention_mask`` covers all keys."""
+    allowed = torch.ones(T, past_length + T, dtype=torch.bool, device=device).tril(past_length)[None, None]
     if attention_mask is not None:
         keep = attention_mask.to(device=device, dtype=torch.bool)
         allowed = allowed & keep[:, None, None, :]
         # A padding query attends to key 0 only, so its softmax stays finite; its output is ignored downstream.
-        key0 = (torch.arange(T, device=device) == 0).expand(T, T)
-        allowed = torch.where(keep[:, None, :, None], allowed, key0)
+        key0 = (torch.arange(past_length + T, device=device) == 0).expand(T, past_length + T)
+        allowed = torch.where(keep[:, None, past_length:, None], allowed, key0)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)

@@ -8,6 +8,8 @@ L−1's output.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -41,22 +43,20 @@ def resolve_aux_layer_ids(aux_layer_ids, num_hidden_layers: int) -> list[int]:
         ) from None
 
 
-@torch.no_grad()
-def capture_hidden_states(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    aux_layer_ids: list[int] | None,
-    aux_stream: str = "prefix",
-    return_logits: bool = False,
-    return_prenorm: bool = False,
-) -> CaptureOutput:
+def check_aux_stream(aux_stream: str) -> None:
     if aux_stream not in AUX_STREAMS:
         raise ValueError(f"aux_stream must be one of {AUX_STREAMS}, got {aux_stream!r}")
+
+
+@contextmanager
+def aux_taps(model, aux_layer_ids: list[int], aux_stream: str = "prefix") -> Iterator[dict]:
+    """The tap rule: while active, every forward of ``model`` (a full forward or an incremental one, which runs the
+    same layer and norm modules) stores tap ``i``'s tensor under key ``i`` of the yielded dict (ids validated by the
+    caller). Read them with :func:`stack_taps`."""
+    check_aux_stream(aux_stream)
     layers = model.model.layers
     L = len(layers)
-    ids = resolve_aux_layer_ids(aux_layer_ids, L)
-    captured: dict[int, torch.Tensor] = {}
+    captured: dict = {}
     handles = []
 
     def keep_output(idx):
@@ -72,7 +72,7 @@ def capture_hidden_states(
         return hook
 
     try:
-        for i in ids:
+        for i in aux_layer_ids:
             if i == L:
                 handles.append(model.model.norm.register_forward_pre_hook(keep_input(i)))
             elif aux_stream == "mixed" and i + 1 < L:
@@ -81,11 +81,32 @@ def capture_hidden_states(
                 handles.append(model.model.norm.register_forward_pre_hook(keep_input(i)))
             else:
                 handles.append(layers[i].register_forward_hook(keep_output(i)))
-        if return_prenorm:
-            handles.append(model.model.norm.register_forward_pre_hook(keep_input("prenorm")))
-        out = model(input_ids, attention_mask, return_logits=return_logits)
+        yield captured
     finally:
         for h in handles:
             h.remove()
-    aux = torch.cat([captured[i] for i in ids], dim=-1)
-    return CaptureOutput(aux, out.hidden_states, out.logits, captured.get("prenorm"))
+
+
+def stack_taps(captured: dict, aux_layer_ids: list[int]) -> torch.Tensor:
+    """``[B,T,len(ids)·H]``: the taps concatenated in the given order."""
+    return torch.cat([captured[i] for i in aux_layer_ids], dim=-1)
+
+
+@torch.no_grad()
+def capture_hidden_states(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    aux_layer_ids: list[int] | None,
+    aux_stream: str = "prefix",
+    return_logits: bool = False,
+    return_prenorm: bool = False,
+) -> CaptureOutput:
+    check_aux_stream(aux_stream)
+    L = len(model.model.layers)
+    ids = resolve_aux_layer_ids(aux_layer_ids, L)
+    with aux_taps(model, ids + [L] if return_prenorm else ids, aux_stream) as captured:
+        out = model(input_ids, attention_mask, return_logits=return_logits)
+    return CaptureOutput(
+        stack_taps(captured, ids), out.hidden_states, out.logits, captured.get(L) if return_prenorm else None
+    )

@@ -25,11 +25,11 @@ def naive_recurrent_kda(
     beta: torch.Tensor,
     scale: float,
     initial_state: torch.Tensor | None = None,
-    return_final_state: bool = False,
+    output_final_state: bool = False,
 ):
     """One step per token. The reference for every other KDA path (slow: T sequential steps).
 
-    ``initial_state [B,H,K,V]`` continues a sequence (incremental decoding); ``return_final_state`` also returns
+    ``initial_state [B,H,K,V]`` continues a sequence (incremental decoding); ``output_final_state`` also returns
     ``S_T``.
     """
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
@@ -43,7 +43,7 @@ def naive_recurrent_kda(
         S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k_t, v[:, t] - predicted)
         out.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t] * scale))
     o = torch.stack(out, dim=1) if out else q.new_zeros(B, 0, H, v.shape[-1])
-    return (o, S) if return_final_state else o
+    return (o, S) if output_final_state else o
 
 
 def safe_chunk_size(gate_lower_bound: float, max_chunk: int = 64) -> int:
@@ -67,7 +67,7 @@ def chunk_kda(
     scale: float,
     chunk_size: int = 16,
     initial_state: torch.Tensor | None = None,
-    return_final_state: bool = False,
+    output_final_state: bool = False,
 ):
     """Chunked (WY) form of :func:`naive_recurrent_kda`; identical maths, ``T / chunk_size`` sequential steps.
 
@@ -76,7 +76,7 @@ def chunk_kda(
     ``K̃ = K⊙Γ`` and ``K̂ = K⊙Γ⁻¹``; then ``O = Q̃ S_0 + LowerIncl(Q̃ K̂ᵀ) U`` and
     ``S_C = Γ_C ⊙ S_0 + (K⊙Γ_C/Γ)ᵀ U``. Everything independent of ``S_0`` is computed for all chunks at once.
     ``chunk_size`` must satisfy ``chunk_size·max|g| ≤ ~80`` (see :func:`safe_chunk_size`). ``initial_state`` /
-    ``return_final_state`` as in :func:`naive_recurrent_kda` (the zero tail padding leaves the state unchanged).
+    ``output_final_state`` as in :func:`naive_recurrent_kda` (the zero tail padding leaves the state unchanged).
     """
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     B, T, H, K = q.shape
@@ -118,7 +118,7 @@ def chunk_kda(
         o = q.new_zeros(B, 0, H, V)
     else:
         o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]  # from [B,H,N,C,V]
-    return (o, S) if return_final_state else o
+    return (o, S) if output_final_state else o
 
 
 def flushed_exp(x: torch.Tensor, floor: float = -60.0) -> torch.Tensor:
@@ -157,8 +157,11 @@ def fla_kda(
     beta: torch.Tensor,
     scale: float,
     kernel: str = "fused_recurrent",
-) -> torch.Tensor:
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+):
     """flash-linear-attention's Triton KDA (CUDA only). q/k are already L2-normalised by the caller.
+    ``initial_state`` / ``output_final_state`` as in :func:`naive_recurrent_kda` (fla's own argument names).
 
     ``fused_recurrent`` is the default because it is the kernel the golden reference was checked with; fla 0.6.0's
     ``chunk`` kernel disagreed with the golden on a full tiny model (spec §10) and is opt-in until a GPU check passes.
@@ -167,8 +170,10 @@ def fla_kda(
     from fla.ops.kda import fused_recurrent_kda
 
     fn = fused_recurrent_kda if kernel == "fused_recurrent" else fla_chunk_kda
-    o, _ = fn(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=None, output_final_state=False)
-    return o.float()
+    o, S = fn(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state
+    )
+    return (o.float(), S.float()) if output_final_state else o.float()
 
 
 def kda_scale(head_dim: int) -> float:

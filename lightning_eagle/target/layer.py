@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -55,6 +58,7 @@ class K3DecoderLayer(nn.Module):
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
     def token_mixer(self, x: torch.Tensor, attn_mask: torch.Tensor | None, token_mask: torch.Tensor | None):
+        """The full-sequence token mixer (no cache)."""
         return self.self_attn(x, token_mask) if self.is_kda else self.self_attn(x, attn_mask)
 
     def forward(
@@ -63,15 +67,20 @@ class K3DecoderLayer(nn.Module):
         bank: list[torch.Tensor],
         attn_mask: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
+        token_mixer: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``token_mixer``: ``x ↦ self_attn(x)`` in another form (incremental decoding passes one that continues
+        from a cache); None = :meth:`token_mixer` over the whole sequence with the masks."""
+        if token_mixer is None:
+            token_mixer = partial(self.token_mixer, attn_mask=attn_mask, token_mask=token_mask)
         if self.block_size is None:  # plain pre-norm residual stream
-            h = p + self.token_mixer(self.input_layernorm(p), attn_mask, token_mask)
+            h = p + token_mixer(self.input_layernorm(p))
             return h + self.channel_mixer(self.post_attention_layernorm(h)), bank
         a_in = p if not bank else attn_res_mix(p, bank, self.self_attention_res_norm, self.self_attention_res_proj)
         commit = self.layer_idx % self.block_size == 0
         if commit:
             bank = [*bank, p]
-        att = self.token_mixer(self.input_layernorm(a_in), attn_mask, token_mask)
+        att = token_mixer(self.input_layernorm(a_in))
         p = att if commit else p + att
         m_in = attn_res_mix(p, bank, self.mlp_res_norm, self.mlp_res_proj)
         p = p + self.channel_mixer(self.post_attention_layernorm(m_in))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -73,19 +75,34 @@ class KimiK3TextModel(nn.Module):
         if config.attn_res_block_size is not None:
             self.output_attn_res_norm, self.output_attn_res_proj = res_weights(H, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Returns the post-norm final hidden ``[B,T,H]`` (the output mixer runs before ``norm``)."""
-        T = input_ids.shape[1]
-        if attention_mask is not None and bool((attention_mask == 1).all()):
-            attention_mask = None  # all-ones: the unmasked fast path is exact
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_mixers: Sequence[Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """Returns the post-norm final hidden ``[B,T,H]`` (the output mixer runs before ``norm``).
+
+        ``token_mixers``: one per layer, replacing the full-sequence token mixers (incremental decoding passes
+        mixers that continue from its caches; they handle their own masking, ``attention_mask`` is then unused)."""
         h = self.embed_tokens(input_ids)
-        attn_mask = attention_mask_for_mla(attention_mask, T, h.dtype, h.device)
+        if token_mixers is None:
+            if attention_mask is not None and bool((attention_mask == 1).all()):
+                attention_mask = None  # all-ones: the unmasked fast path is exact
+            attn_mask = attention_mask_for_mla(attention_mask, input_ids.shape[1], h.dtype, h.device)
+            token_mixers = [
+                partial(layer.token_mixer, attn_mask=attn_mask, token_mask=attention_mask) for layer in self.layers
+            ]
         bank: list[torch.Tensor] = []
-        for layer in self.layers:
-            h, bank = layer(h, bank, attn_mask, attention_mask)
-        if self.config.attn_res_block_size is not None:
-            h = attn_res_mix(h, bank, self.output_attn_res_norm, self.output_attn_res_proj)  # the output mixer
-        return self.norm(h)
+        for layer, token_mixer in zip(self.layers, token_mixers, strict=True):
+            h, bank = layer(h, bank, token_mixer=token_mixer)
+        return self.norm(self.output_mixer(h, bank))
+
+    def output_mixer(self, h: torch.Tensor, bank: list[torch.Tensor]) -> torch.Tensor:
+        """AttnRes over the last layer's prefix and the bank (identity without AttnRes): the final norm's input."""
+        if self.config.attn_res_block_size is None:
+            return h
+        return attn_res_mix(h, bank, self.output_attn_res_norm, self.output_attn_res_proj)
 
 
 class KimiK3ForCausalLM(nn.Module):

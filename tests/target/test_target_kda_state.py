@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
-from lightning_eagle.inference.kda_state import chunk_kda_with_state, naive_recurrent_kda_with_state
 from lightning_eagle.target.kda import l2_normalize
-from lightning_eagle.target.kda_ops import naive_recurrent_kda
+from lightning_eagle.target.kda_ops import chunk_kda, naive_recurrent_kda
+
+# The stateful forms (flash-linear-attention names: initial_state in, output_final_state -> (o, S_T)).
+naive_recurrent_kda_with_state = partial(naive_recurrent_kda, output_final_state=True)
+chunk_kda_with_state = partial(chunk_kda, output_final_state=True)
 
 
 def inputs(T, B=2, H=3, K=8, V=6, seed=0):
