@@ -20,11 +20,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from lightning_eagle.k3.experts import RoutedExperts
+from lightning_eagle.k3.moe import local_dispatch
 from lightning_eagle.parallel.dispatcher import AllGatherExpertDispatcher, TorchExpertDispatcher
 from lightning_eagle.parallel.local_launch import launch_local
 from lightning_eagle.parallel.shard import expert_range
-from lightning_eagle.target.experts import RoutedExperts
-from lightning_eagle.target.moe import local_dispatch
 
 # (num_experts, top_k, expert hidden D, expert intermediate I)
 SHAPES = {

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_eagle.target.pretrain import QUICKSTART_TARGET
+from lightning_eagle.k3.pretrain import QUICKSTART_TARGET
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART_DRAFT = REPO / "runs" / "quickstart" / "draft"
@@ -30,7 +30,7 @@ QUICKSTART_DRAFT = REPO / "runs" / "quickstart" / "draft"
 
 def load(target_dir: Path, draft_dir: Path):
     from lightning_eagle.draft import KimiK3Eagle3Draft
-    from lightning_eagle.target import KimiK3ForCausalLM
+    from lightning_eagle.k3 import KimiK3ForCausalLM
 
     missing = [str(p) for p in (target_dir, draft_dir) if not (p / "config.json").is_file()]
     if missing:
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for a tiny model)")
     args = parser.parse_args(argv)
 
+    from lightning_eagle.data.prompts import bundled_held_out_prompts
     from lightning_eagle.inference import evaluate_acceptance
-    from lightning_eagle.inference.acceptance import bundled_held_out_prompts
 
     torch.set_num_threads(args.threads)
     target, draft = load(args.target, args.draft)

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from lightning_eagle.target import KimiK3ForCausalLM, config_from_name
-from lightning_eagle.target.kda import KimiDeltaAttention
+from lightning_eagle.k3 import KimiK3ForCausalLM, config_from_name
+from lightning_eagle.k3.kda import KimiDeltaAttention
 
 
 def median_time(fn, repeats: int) -> float:

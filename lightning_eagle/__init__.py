@@ -14,10 +14,10 @@ __version__ = "0.1.0"
 
 # Lazy exports keep `import lightning_eagle` cheap (Lightning and transformers cost seconds to import).
 _EXPORTS = {
-    "KimiK3Config": "lightning_eagle.target.config",
-    "KimiK3TextConfig": "lightning_eagle.target.config",
-    "KimiK3ForCausalLM": "lightning_eagle.target.model",
-    "config_from_name": "lightning_eagle.target.presets",
+    "KimiK3Config": "lightning_eagle.k3.config",
+    "KimiK3TextConfig": "lightning_eagle.k3.config",
+    "KimiK3ForCausalLM": "lightning_eagle.k3.model",
+    "config_from_name": "lightning_eagle.k3.presets",
     "KimiK3Eagle3Draft": "lightning_eagle.draft",
     "export_draft": "lightning_eagle.draft",
     "Eagle3Module": "lightning_eagle.training.module",
@@ -28,8 +28,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_eagle.target.config import KimiK3Config, KimiK3TextConfig  # noqa: F401
-    from lightning_eagle.target.model import KimiK3ForCausalLM  # noqa: F401
+    from lightning_eagle.k3.config import KimiK3Config, KimiK3TextConfig  # noqa: F401
+    from lightning_eagle.k3.model import KimiK3ForCausalLM  # noqa: F401
 
 
 def __getattr__(name: str):

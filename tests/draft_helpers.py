@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
-from lightning_eagle.target.presets import config_from_name
+from lightning_eagle.k3.presets import config_from_name
 
 
 def tiny_config(**overrides) -> Eagle3DraftConfig:

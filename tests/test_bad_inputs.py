@@ -27,14 +27,14 @@ from lightning_eagle import Eagle3Module, KimiK3Eagle3Draft, KimiK3ForCausalLM
 from lightning_eagle.checkpoint_io import CheckpointLoadError
 from lightning_eagle.cli import main
 from lightning_eagle.data import ChatDataModule, DataRowError, load_kimi_tokenizer, synthetic_k3_tokenizer
-from lightning_eagle.data.tokenizer import save_tokenizer_dir
+from lightning_eagle.data.tokenizer_files import save_tokenizer_dir
 from lightning_eagle.draft.export import export_draft
 from lightning_eagle.draft.pretrained import load_pretrained
+from lightning_eagle.k3 import config_from_name
+from lightning_eagle.k3 import loader as target_loader
+from lightning_eagle.k3.loader import CheckpointError
+from lightning_eagle.k3.writer import save_k3_checkpoint
 from lightning_eagle.parallel.validate import UnsupportedLayoutError
-from lightning_eagle.target import config_from_name
-from lightning_eagle.target import loader as target_loader
-from lightning_eagle.target.loader import CheckpointError
-from lightning_eagle.target.writer import save_k3_checkpoint
 
 LIBRARY = Path(lightning_eagle.__file__).resolve().parent
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"

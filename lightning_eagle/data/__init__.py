@@ -34,12 +34,9 @@ from lightning_eagle.data.render_k3 import (
 )
 from lightning_eagle.data.rows import DataRowError
 from lightning_eagle.data.synthetic_corpus import bundled_sample_path, generate_synthetic_corpus
-from lightning_eagle.data.tokenizer import (
-    KimiTokenizer,
-    load_kimi_tokenizer,
-    synthetic_k2_tokenizer,
-    synthetic_k3_tokenizer,
-)
+from lightning_eagle.data.synthetic_tokenizer import synthetic_k2_tokenizer, synthetic_k3_tokenizer
+from lightning_eagle.data.tokenizer import KimiTokenizer
+from lightning_eagle.data.tokenizer_files import load_kimi_tokenizer
 from lightning_eagle.data.vocab_map import VocabMapping, build_vocab_mapping, count_supervised_tokens
 
 if TYPE_CHECKING:

@@ -432,7 +432,7 @@ def load_local_engine(
     import torch
 
     from lightning_eagle.data.tokenizer import resolve_tokenizer
-    from lightning_eagle.target.model import KimiK3ForCausalLM
+    from lightning_eagle.k3.model import KimiK3ForCausalLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("float32" if torch.device(device).type == "cpu" else "bfloat16")

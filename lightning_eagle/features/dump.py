@@ -33,7 +33,7 @@ from typing_extensions import override
 from lightning_eagle.atomic import PARTIAL_SUFFIX
 from lightning_eagle.data.dataset import collate_chat_rows
 from lightning_eagle.features import format as fmt
-from lightning_eagle.target.capture import resolve_aux_layer_ids
+from lightning_eagle.k3.capture import resolve_aux_layer_ids
 
 
 class _RankSampler(DistributedSampler):
@@ -112,7 +112,7 @@ class FeatureDumper(pl.LightningModule):
         self.plan = self._plan()
         plan_path = self.out_dir / fmt.PLAN_NAME
         if self.trainer.is_global_zero and not plan_path.is_file():
-            from lightning_eagle.inference.acceptance import prompts_from_datamodule
+            from lightning_eagle.data.prompts import prompts_from_datamodule
 
             fmt.write_json(plan_path, self.plan)
             self.data.vocab_mapping.save(self.out_dir / fmt.VOCAB_MAP_NAME, {"features": str(self.out_dir)})

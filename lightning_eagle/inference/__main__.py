@@ -20,7 +20,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def target_path(target: str) -> Path:
     """``"quickstart"`` = the bundled tiny K3 (as in the training config); anything else is a directory."""
-    from lightning_eagle.target.pretrain import QUICKSTART_TARGET
+    from lightning_eagle.k3.pretrain import QUICKSTART_TARGET
 
     return QUICKSTART_TARGET if target == "quickstart" else Path(target).expanduser()
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     from lightning_eagle.draft import KimiK3Eagle3Draft
     from lightning_eagle.inference.acceptance import evaluate_acceptance, save_report
-    from lightning_eagle.target import KimiK3ForCausalLM
+    from lightning_eagle.k3 import KimiK3ForCausalLM
 
     if args.threads:
         torch.set_num_threads(args.threads)

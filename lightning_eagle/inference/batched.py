@@ -9,7 +9,7 @@ KDA carries a fixed-size state per row:
   ``3 × [B,W−1,D]`` — the same tensors as :class:`~lightning_eagle.inference.target_cache.KDALayerCache`, batched.
   A left-padded prefill zeroes the raw projections at padding and runs the recurrence with no decay and no write
   there (``g = 0``, ``β = 0``), exactly what the full forward does with a ``token_mask``
-  (:meth:`~lightning_eagle.target.kda.KimiDeltaAttention.forward`): the state and the tails leave the padding as
+  (:meth:`~lightning_eagle.k3.kda.KimiDeltaAttention.forward`): the state and the tails leave the padding as
   they entered it (zero), so a padded row continues as its unpadded self.
 * **MLA** layers keep keys ``[B,n,L,d_qk]`` and values ``[B,n,L,d_v]`` and one shared key mask ``valid [B,L]``
   (False at a row's left padding). A decode step appends one position to every row; rows of different lengths

@@ -25,7 +25,8 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from lightning_eagle.inference.acceptance import evaluate_acceptance, prompts_from_datamodule, resolve_prompts
+from lightning_eagle.data.prompts import prompts_from_datamodule, resolve_prompts
+from lightning_eagle.inference.acceptance import evaluate_acceptance
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class AcceptanceCallback(pl.Callback):
 
     def _own_target(self, device: torch.device):
         if self._target is None:
-            from lightning_eagle.target.model import KimiK3ForCausalLM
+            from lightning_eagle.k3.model import KimiK3ForCausalLM
 
             self._target = KimiK3ForCausalLM.from_pretrained(self.target_path, dtype=torch.float32, device=device)
         return self._target

@@ -3,7 +3,7 @@
 :class:`IncrementalTarget` runs the target's own forward (``KimiK3TextModel.forward``: embedding, decoder layers,
 output mixer, final norm) with each layer's token mixer continued from its cache
 (:mod:`lightning_eagle.inference.target_cache`). It taps the EAGLE-3 aux states with the hooks of
-:func:`lightning_eagle.target.capture.aux_taps`, so their meaning is that of a full capture:
+:func:`lightning_eagle.k3.capture.aux_taps`, so their meaning is that of a full capture:
 
 * ``"prefix"`` id i < L: the output of decoder layer i (the raw in-block prefix under AttnRes);
 * ``"mixed"`` id i < L−1: what layer i+1's attention reads (its AttnRes mix, before ``input_layernorm``);
@@ -22,7 +22,7 @@ from functools import partial
 import torch
 
 from lightning_eagle.inference.target_cache import KDALayerCache, MLALayerCache, kda_extend
-from lightning_eagle.target.capture import aux_taps, check_aux_stream, stack_taps, validate_aux_layer_ids
+from lightning_eagle.k3.capture import aux_taps, check_aux_stream, stack_taps, validate_aux_layer_ids
 
 
 @dataclass
@@ -35,7 +35,7 @@ class TargetStep:
 
 
 class IncrementalTarget:
-    """A decoding session over a frozen :class:`~lightning_eagle.target.KimiK3ForCausalLM`.
+    """A decoding session over a frozen :class:`~lightning_eagle.k3.KimiK3ForCausalLM`.
 
     Args:
         model: the target (any dtype; its fp32 islands are respected because its own modules run).

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_eagle.target.kda import KimiDeltaAttention, roll_conv_state
-from lightning_eagle.target.kda_ops import kda_scale, naive_recurrent_kda
+from lightning_eagle.k3.kda import KimiDeltaAttention, roll_conv_state
+from lightning_eagle.k3.kda_ops import kda_scale, naive_recurrent_kda
 
 KDA_RECURRENCES = ("auto", "naive", "chunk")
 

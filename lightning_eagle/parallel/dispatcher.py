@@ -25,8 +25,8 @@ import importlib
 import torch
 import torch.distributed as dist
 
+from lightning_eagle.k3.experts import RoutedExperts
 from lightning_eagle.parallel.shard import check_expert_slice
-from lightning_eagle.target.experts import RoutedExperts
 
 
 def _check_no_grad(x_TD: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ Parameter counts come from the real module tree (one decoder layer of each kind 
 * non-routed weights (replicated on every rank): model dtype, except the fp32-kept tensors (``A_log``, ``dt_bias``,
   router bias, conv weights, ``o_norm``);
 * routed experts per rank: ``E/ep`` experts × layers, either packed MXFP4 (0.5 B + 1 scale byte per 32 weights)
-  or dequantised to the model dtype — what :class:`~lightning_eagle.target.experts.RoutedExperts` holds today.
+  or dequantised to the model dtype — what :class:`~lightning_eagle.k3.experts.RoutedExperts` holds today.
 
 For the published K3 at EP 8 / 32 / 64 this reproduces ``k3_target.md`` §5.3: ≈ 113 GB non-routed (bf16) and
 181 / 45 / 22.6 GB packed, 681 / 170 / 85 GB bf16 routed experts per rank.
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
-from lightning_eagle.target.config import MXFP4_GROUP, KimiK3TextConfig
-from lightning_eagle.target.layer import K3DecoderLayer
-from lightning_eagle.target.model import is_fp32_parameter
+from lightning_eagle.k3.config import MXFP4_GROUP, KimiK3TextConfig
+from lightning_eagle.k3.layer import K3DecoderLayer
+from lightning_eagle.k3.model import is_fp32_parameter
 
 GB = 1e9  # decimal, as in the spec's tables
 

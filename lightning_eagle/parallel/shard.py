@@ -13,8 +13,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lightning_eagle.target.experts import RoutedExperts
-from lightning_eagle.target.moe import K3SparseMoE
+from lightning_eagle.k3.experts import RoutedExperts
+from lightning_eagle.k3.moe import K3SparseMoE
 
 
 def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:

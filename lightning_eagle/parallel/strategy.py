@@ -139,7 +139,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         text config."""
         config = config_or_path
         if isinstance(config_or_path, (str, os.PathLike)):
-            from lightning_eagle.target.loader import read_config
+            from lightning_eagle.k3.loader import read_config
 
             config = read_config(Path(config_or_path))
         validate_target_config(config, aux_layer_ids)
@@ -236,7 +236,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         """Validate ``path``'s config against the layout, then load this rank's shard of the frozen target
         (replicated non-expert weights + this rank's experts, read from disk and nothing else) and parallelize it.
         """
-        from lightning_eagle.target.model import KimiK3ForCausalLM
+        from lightning_eagle.k3.model import KimiK3ForCausalLM
 
         config = self.validate_target(path, aux_layer_ids)
         target = KimiK3ForCausalLM.from_pretrained(
@@ -270,7 +270,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         return self.model is not None and _has_dtensor_modules(self.model)
 
     def _refuse_target_in_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from lightning_eagle.target.model import KimiK3ForCausalLM
+        from lightning_eagle.k3.model import KimiK3ForCausalLM
 
         module = self.lightning_module
         prefixes = [f"{n}." for n, m in module.named_modules() if isinstance(m, KimiK3ForCausalLM)] if module else []

@@ -30,10 +30,10 @@ from lightning_eagle.draft.config import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS
 from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.features.teacher_head import TeacherHead
+from lightning_eagle.k3.config import text_config_from_dict
+from lightning_eagle.k3.loader import read_config, resolve_target_path
+from lightning_eagle.k3.model import KimiK3ForCausalLM
 from lightning_eagle.parallel.validate import validate_layout, validate_target_config
-from lightning_eagle.target.config import text_config_from_dict
-from lightning_eagle.target.loader import read_config, resolve_target_path
-from lightning_eagle.target.model import KimiK3ForCausalLM
 from lightning_eagle.training.loss import soft_cross_entropy
 from lightning_eagle.training.loss import step_weights as default_step_weights
 from lightning_eagle.training.metrics import TTTMetrics

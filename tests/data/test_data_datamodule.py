@@ -120,7 +120,9 @@ def test_state_dict_round_trip_and_mismatch(default_dm):
 
 
 def test_no_recovery_raises(tmp_path, jsonl_writer):
-    from lightning_eagle.data.tokenizer import KimiTokenizer, byte_ranks, save_tokenizer_dir
+    from lightning_eagle.data.synthetic_tokenizer import byte_ranks
+    from lightning_eagle.data.tokenizer import KimiTokenizer
+    from lightning_eagle.data.tokenizer_files import save_tokenizer_dir
 
     plain = KimiTokenizer(byte_ranks(), {0: "[BOS]", 1: "[EOS]", 254: "[UNK]", 255: "[PAD]"})
     directory = save_tokenizer_dir(plain, tmp_path / "plain")

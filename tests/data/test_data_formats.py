@@ -444,7 +444,7 @@ def test_glob_and_directory_expansion(tmp_path, k3_tok):
 
 
 def test_datamodule_format_argument_globs_and_prompts(tmp_path):
-    from lightning_eagle.inference.acceptance import prompts_from_datamodule
+    from lightning_eagle.data.prompts import prompts_from_datamodule
 
     shards = tmp_path / "shards"
     shards.mkdir()

@@ -25,7 +25,7 @@ from lightning_eagle.data.loss_mask import (
     parse_header,
     registered_loss_mask_recoveries,
 )
-from lightning_eagle.data.tokenizer import K2_DEFAULT_ADDITIONAL_SPECIAL_TOKENS, save_tokenizer_dir
+from lightning_eagle.data.tokenizer_files import K2_DEFAULT_ADDITIONAL_SPECIAL_TOKENS, save_tokenizer_dir
 
 MARKER_NAMES = set(XTML_MARKERS)
 

@@ -8,11 +8,10 @@ import pickle
 import pytest
 
 from lightning_eagle.data import load_kimi_tokenizer, synthetic_k2_tokenizer, synthetic_k3_tokenizer
-from lightning_eagle.data.tokenizer import (
+from lightning_eagle.data.synthetic_tokenizer import byte_ranks
+from lightning_eagle.data.tokenizer import K3_PAT_STR, KimiTokenizer
+from lightning_eagle.data.tokenizer_files import (
     K2_DEFAULT_ADDITIONAL_SPECIAL_TOKENS,
-    K3_PAT_STR,
-    KimiTokenizer,
-    byte_ranks,
     extract_pat_str,
     read_tiktoken_model,
     save_tokenizer_dir,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
-from lightning_eagle.target.config import KimiK3TextConfig
-from lightning_eagle.target.presets import config_from_name
+from lightning_eagle.k3.config import KimiK3TextConfig
+from lightning_eagle.k3.presets import config_from_name
 
 
 def test_fields_default_to_the_target(make_config):

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from lightning_eagle.draft import KimiK3Eagle3Draft, export_draft
 from lightning_eagle.draft.reference_import import reference_vocab_permutation
-from lightning_eagle.target.presets import config_from_name
+from lightning_eagle.k3.presets import config_from_name
 
 
 def write_reference_export(draft, folder, order=None, with_buffers=True):

@@ -17,7 +17,7 @@ from lightning_eagle.draft.cache import TTTCache
 from lightning_eagle.draft.config import FIELDS_FROM_TARGET, Eagle3DraftConfig
 from lightning_eagle.draft.reference_import import config_from_reference
 from lightning_eagle.draft.serving_format import config_from_json, config_to_json
-from lightning_eagle.target.presets import config_from_name
+from lightning_eagle.k3.presets import config_from_name
 
 MISSING = object()  # a config.json edit that deletes the key
 PUBLISHED_IDS = {"bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839}

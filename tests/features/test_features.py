@@ -17,7 +17,7 @@ from lightning_eagle.data.final_norm import FINAL_NORM_TYPES, select_final_norm_
 from lightning_eagle.features import HiddenStateDataModule, TeacherHead
 from lightning_eagle.features import format as fmt
 from lightning_eagle.features.dump import dump_features
-from lightning_eagle.target.loader import QUICKSTART_TARGET, CheckpointError
+from lightning_eagle.k3.loader import QUICKSTART_TARGET, CheckpointError
 
 MODULE = {"target": "quickstart", "aux_layer_ids": [1, 3, 5], "target_dtype": "float32", "ttt_steps": 3,
           "draft": {"intermediate_size": 64}}  # fmt: skip
@@ -118,7 +118,7 @@ def test_teacher_head_norm_is_keyed_on_the_text_config():
     # A lookup keyed on the outer model_type finds nothing: that would be an un-normed teacher.
     assert "kimi_k3" not in FINAL_NORM_TYPES and select_final_norm_type({"model_type": "kimi_k3"}) is None
     head = TeacherHead.from_checkpoint("quickstart", prenorm=True)
-    from lightning_eagle.target.model import KimiK3ForCausalLM
+    from lightning_eagle.k3.model import KimiK3ForCausalLM
 
     target = KimiK3ForCausalLM.from_pretrained("quickstart", dtype=torch.float32)
     assert torch.equal(head.norm.weight, target.model.norm.weight)  # exact: copied from the same checkpoint tensor
@@ -229,7 +229,7 @@ def test_expert_parallel_dump_equals_the_single_process_dump(tmp_path, fp32_dump
 
 
 def test_held_out_prompts_are_the_online_runs(fp32_dump):
-    from lightning_eagle.inference.acceptance import prompts_from_datamodule
+    from lightning_eagle.data.prompts import prompts_from_datamodule
 
     chats = ChatDataModule(**DATA)
     chats.setup("fit")

@@ -9,8 +9,8 @@ import torch
 from inference_helpers import make_draft, make_target
 
 from lightning_eagle.data import synthetic_k3_tokenizer
+from lightning_eagle.data.prompts import prompts_from_chats, prompts_from_token_rows
 from lightning_eagle.inference import evaluate_acceptance
-from lightning_eagle.inference.acceptance import prompts_from_chats, prompts_from_token_rows
 
 SYNTHETIC = {"vocab_size": 512, "bos_token_id": 256, "eos_token_id": 258, "pad_token_id": 511}
 CHATS = [
@@ -77,7 +77,7 @@ def test_token_prompts_sampling_and_vocab_check():
 def test_cli_entry_point(tmp_path, chat_file, capsys):
     from lightning_eagle.draft.export import export_draft
     from lightning_eagle.inference.__main__ import main
-    from lightning_eagle.target.writer import save_k3_checkpoint
+    from lightning_eagle.k3.writer import save_k3_checkpoint
 
     target = make_target(seed=23, **SYNTHETIC)
     target_dir = save_k3_checkpoint(target, tmp_path / "target", mxfp4=False)
@@ -100,7 +100,7 @@ def test_callback_logs_tau_real_during_validation(tmp_path, chat_file):
 
     from lightning_eagle.data.datamodule import ChatDataModule
     from lightning_eagle.inference.callback import AcceptanceCallback
-    from lightning_eagle.target.writer import save_k3_checkpoint
+    from lightning_eagle.k3.writer import save_k3_checkpoint
     from lightning_eagle.training.module import Eagle3Module
 
     target_dir = save_k3_checkpoint(make_target(seed=24, **SYNTHETIC), tmp_path / "target", mxfp4=False)

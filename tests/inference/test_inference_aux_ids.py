@@ -9,7 +9,7 @@ from inference_helpers import make_draft, make_target
 
 from lightning_eagle.draft import Eagle3DraftConfig
 from lightning_eagle.inference import plain_generate, resolve_inference_aux, speculative_generate
-from lightning_eagle.target import config_from_name
+from lightning_eagle.k3 import config_from_name
 
 
 def draft_config(**changes):

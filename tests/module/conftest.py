@@ -7,8 +7,8 @@ import pytest
 import torch
 from eagle_helpers import SYNTHETIC_IDS
 
-from lightning_eagle.target import KimiK3ForCausalLM, config_from_name
-from lightning_eagle.target.writer import save_k3_checkpoint
+from lightning_eagle.k3 import KimiK3ForCausalLM, config_from_name
+from lightning_eagle.k3.writer import save_k3_checkpoint
 
 
 @pytest.fixture(scope="session")

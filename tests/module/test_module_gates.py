@@ -15,7 +15,7 @@ def no_weight_reads(monkeypatch):
         raise AssertionError("a target weight file was opened")
 
     monkeypatch.setattr(safetensors, "safe_open", refuse)
-    monkeypatch.setattr("lightning_eagle.target.loader.safe_open", refuse)
+    monkeypatch.setattr("lightning_eagle.k3.loader.safe_open", refuse)
 
 
 @pytest.mark.parametrize(

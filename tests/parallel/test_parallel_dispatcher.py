@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 
+from lightning_eagle.k3.experts import RoutedExperts
 from lightning_eagle.parallel.dispatcher import (
     AllGatherExpertDispatcher,
     DeepEPDispatcher,
@@ -22,7 +23,6 @@ from lightning_eagle.parallel.dispatcher import (
 )
 from lightning_eagle.parallel.local_launch import launch_local
 from lightning_eagle.parallel.shard import expert_range
-from lightning_eagle.target.experts import RoutedExperts
 
 E, D, INTER, K = 8, 32, 16, 3
 

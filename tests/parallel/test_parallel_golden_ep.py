@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lightning_eagle.k3 import KimiK3ForCausalLM
+from lightning_eagle.k3.loader import SafetensorsCheckpoint
 from lightning_eagle.parallel.dispatcher import AllGatherExpertDispatcher, TorchExpertDispatcher
 from lightning_eagle.parallel.local_launch import launch_local
 from lightning_eagle.parallel.shard import enable_expert_parallel, expert_range, routed_expert_bytes
-from lightning_eagle.target import KimiK3ForCausalLM
-from lightning_eagle.target.loader import SafetensorsCheckpoint
 
 pytestmark = pytest.mark.multiprocess
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_eagle.k3 import KimiK3ForCausalLM, config_from_name
+from lightning_eagle.k3.moe import local_dispatch
 from lightning_eagle.parallel.memory import memory_table, per_rank_memory_report
 from lightning_eagle.parallel.shard import enable_expert_parallel, expert_range, moe_layers, routed_expert_bytes
-from lightning_eagle.target import KimiK3ForCausalLM, config_from_name
-from lightning_eagle.target.moe import local_dispatch
 
 
 @pytest.mark.parametrize(

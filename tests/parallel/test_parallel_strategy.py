@@ -12,10 +12,10 @@ import torch
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import nn
 
-import lightning_eagle.target.loader as loader
+import lightning_eagle.k3.loader as loader
+from lightning_eagle.k3 import KimiK3ForCausalLM, config_from_name
 from lightning_eagle.parallel.launcher import ExpertParallelLauncher
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
-from lightning_eagle.target import KimiK3ForCausalLM, config_from_name
 
 
 @pytest.fixture

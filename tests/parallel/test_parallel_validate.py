@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_eagle.k3 import config_from_name
 from lightning_eagle.parallel import UnsupportedLayoutError, validate_layout, validate_target_config
-from lightning_eagle.target import config_from_name
 
 VALID = dict(world_size=4, num_experts=8, expert_parallel_size=2)
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_eagle.k3.mxfp4 import GROUP_SIZE, decode_mxfp4
 from lightning_eagle.ops.situ import situ_and_mul
-from lightning_eagle.target.mxfp4 import GROUP_SIZE, decode_mxfp4
 
 EXPERT_STORAGES = ("dequantized", "mxfp4")
 

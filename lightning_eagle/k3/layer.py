@@ -8,13 +8,13 @@ from functools import partial
 import torch
 from torch import nn
 
+from lightning_eagle.k3.attn_res import attn_res_mix, res_weights
+from lightning_eagle.k3.config import KimiK3TextConfig
+from lightning_eagle.k3.kda import KimiDeltaAttention
+from lightning_eagle.k3.moe import K3SparseMoE
 from lightning_eagle.ops.mla import NoPEMLA
 from lightning_eagle.ops.norm import K3RMSNorm
 from lightning_eagle.ops.situ import SituMLP
-from lightning_eagle.target.attn_res import attn_res_mix, res_weights
-from lightning_eagle.target.config import KimiK3TextConfig
-from lightning_eagle.target.kda import KimiDeltaAttention
-from lightning_eagle.target.moe import K3SparseMoE
 
 MLA_LATENT_NORM_EPS = 1e-6  # the reference builds q_a/kv_a layernorms without an eps argument
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightning_eagle.k3.attn_res import attn_res_mix, res_weights
+from lightning_eagle.k3.config import KimiK3TextConfig
+from lightning_eagle.k3.layer import K3DecoderLayer
 from lightning_eagle.ops.mla import causal_additive_mask
 from lightning_eagle.ops.norm import K3RMSNorm
-from lightning_eagle.target.attn_res import attn_res_mix, res_weights
-from lightning_eagle.target.config import KimiK3TextConfig
-from lightning_eagle.target.layer import K3DecoderLayer
 
 # Parameters that stay fp32 whatever the model dtype (precision rules of the spec; never cast by `cast_to`).
 FP32_PARAMETER_SUFFIXES = (
@@ -142,7 +142,7 @@ class KimiK3ForCausalLM(nn.Module):
 
         ``expert_storage="mxfp4"`` keeps routed experts MXFP4-packed in memory (decoded per expert in the forward);
         ``"dequantized"`` decodes them once to ``dtype`` at load."""
-        from lightning_eagle.target.loader import load_k3_checkpoint
+        from lightning_eagle.k3.loader import load_k3_checkpoint
 
         return load_k3_checkpoint(
             cls,
@@ -222,8 +222,8 @@ class KimiK3ForCausalLM(nn.Module):
     ):
         """One no-grad forward that returns ``aux_hidden_states [B,T,3H]`` (taps concatenated in the given order),
         ``final_hidden [B,T,H]`` (post-norm) and, if asked, ``logits`` and ``final_prenorm`` (the final norm's
-        input). See :mod:`lightning_eagle.target.capture`."""
-        from lightning_eagle.target.capture import capture_hidden_states
+        input). See :mod:`lightning_eagle.k3.capture`."""
+        from lightning_eagle.k3.capture import capture_hidden_states
 
         return capture_hidden_states(
             self, input_ids, attention_mask, aux_layer_ids, aux_stream, return_logits, return_prenorm

@@ -4,8 +4,8 @@ import pytest
 from transformers import AutoConfig
 
 from lightning_eagle import KimiK3Config, KimiK3TextConfig
-from lightning_eagle.target.config import default_full_attn_layers, text_config_from_dict
-from lightning_eagle.target.presets import PRESETS, config_from_name
+from lightning_eagle.k3.config import default_full_attn_layers, text_config_from_dict
+from lightning_eagle.k3.presets import PRESETS, config_from_name
 
 
 def test_published_defaults_and_layer_pattern():

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from lightning_eagle.target import config_from_name
-from lightning_eagle.target.kda import KimiDeltaAttention
-from lightning_eagle.target.kda_ops import chunk_kda, naive_recurrent_kda, safe_chunk_size
+from lightning_eagle.k3 import config_from_name
+from lightning_eagle.k3.kda import KimiDeltaAttention
+from lightning_eagle.k3.kda_ops import chunk_kda, naive_recurrent_kda, safe_chunk_size
 
 
 def _inputs(B=2, T=45, H=3, K=16, V=12, seed=0, dtype=torch.float64):

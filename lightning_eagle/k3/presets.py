@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from lightning_eagle.target.config import KimiK3TextConfig, _init_kwargs
+from lightning_eagle.k3.config import KimiK3TextConfig, _init_kwargs
 
 # Published K3 values are the config class defaults.
 K3: dict[str, Any] = {}

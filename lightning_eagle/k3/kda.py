@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_eagle.target.config import KimiK3TextConfig
-from lightning_eagle.target.kda_ops import (
+from lightning_eagle.k3.config import KimiK3TextConfig
+from lightning_eagle.k3.kda_ops import (
     chunk_kda,
     fla_kda,
     fla_kda_available,

@@ -1,7 +1,7 @@
 """Pretrain a tiny K3 target on chat data, so the quickstart's draft learns from a target that knows its corpus
 (a random-weight target has nothing for a draft to predict).
 
-    python -m lightning_eagle.target.pretrain --out lightning_eagle/assets/k3-tiny-chat
+    python -m lightning_eagle.k3.pretrain --out lightning_eagle/assets/k3-tiny-chat
 
 Plain next-token cross-entropy over every real token, AdamW + cosine, deterministic for a given seed and thread
 count. The result is written in the released layout (VLM wrapper, MXFP4 routed experts) and loaded back through the
@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lightning_eagle.target.loader import QUICKSTART_TARGET
-from lightning_eagle.target.model import KimiK3ForCausalLM
-from lightning_eagle.target.mxfp4 import decode_mxfp4, encode_mxfp4
-from lightning_eagle.target.presets import config_from_name
-from lightning_eagle.target.writer import save_k3_checkpoint
+from lightning_eagle.k3.loader import QUICKSTART_TARGET
+from lightning_eagle.k3.model import KimiK3ForCausalLM
+from lightning_eagle.k3.mxfp4 import decode_mxfp4, encode_mxfp4
+from lightning_eagle.k3.presets import config_from_name
+from lightning_eagle.k3.writer import save_k3_checkpoint
 
 
 def next_token_loss(model: KimiK3ForCausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor):

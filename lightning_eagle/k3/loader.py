@@ -19,10 +19,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from lightning_eagle.target.config import text_config_from_dict
-from lightning_eagle.target.experts import RoutedExperts
-from lightning_eagle.target.model import is_fp32_parameter
-from lightning_eagle.target.mxfp4 import decode_mxfp4
+from lightning_eagle.k3.config import text_config_from_dict
+from lightning_eagle.k3.experts import RoutedExperts
+from lightning_eagle.k3.model import is_fp32_parameter
+from lightning_eagle.k3.mxfp4 import decode_mxfp4
 
 TEXT_PREFIX = "language_model."
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")

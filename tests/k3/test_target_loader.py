@@ -8,9 +8,9 @@ from k3_helpers import snap_experts_to_mxfp4, tiny_model
 from safetensors.torch import load_file, save_file
 
 from lightning_eagle import KimiK3ForCausalLM
-from lightning_eagle.target.loader import CheckpointError, SafetensorsCheckpoint
-from lightning_eagle.target.mxfp4 import decode_mxfp4
-from lightning_eagle.target.writer import save_k3_checkpoint
+from lightning_eagle.k3.loader import CheckpointError, SafetensorsCheckpoint
+from lightning_eagle.k3.mxfp4 import decode_mxfp4
+from lightning_eagle.k3.writer import save_k3_checkpoint
 
 
 @pytest.fixture(scope="module")

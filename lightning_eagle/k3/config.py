@@ -1,7 +1,7 @@
 """Typed configs for the Kimi K3 text model (``kimi_linear``) and its vision-language wrapper (``kimi_k3``).
 
 Defaults are the *published* K3 values (96 MLA heads, dense width 33792), never a library's defaults.
-Named presets live in :mod:`lightning_eagle.target.presets`.
+Named presets live in :mod:`lightning_eagle.k3.presets`.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from functools import partial
 import pytest
 import torch
 
-from lightning_eagle.target.kda import l2_normalize
-from lightning_eagle.target.kda_ops import chunk_kda, naive_recurrent_kda
+from lightning_eagle.k3.kda import l2_normalize
+from lightning_eagle.k3.kda_ops import chunk_kda, naive_recurrent_kda
 
 # The stateful forms (flash-linear-attention names: initial_state in, output_final_state -> (o, S_T)).
 naive_recurrent_kda_with_state = partial(naive_recurrent_kda, output_final_state=True)

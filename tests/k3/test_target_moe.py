@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from lightning_eagle.target import config_from_name
-from lightning_eagle.target.moe import K3SparseMoE
-from lightning_eagle.target.router import K3Router
+from lightning_eagle.k3 import config_from_name
+from lightning_eagle.k3.moe import K3SparseMoE
+from lightning_eagle.k3.router import K3Router
 
 
 def _moe(preset="k3-tiny", seed=0, **overrides):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_eagle.target.config import KimiK3TextConfig
+from lightning_eagle.k3.config import KimiK3TextConfig
 
 
 class K3Router(nn.Module):

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from lightning_eagle.atomic import atomic_dir
-from lightning_eagle.target.loader import TEXT_PREFIX
-from lightning_eagle.target.mxfp4 import encode_mxfp4
+from lightning_eagle.k3.loader import TEXT_PREFIX
+from lightning_eagle.k3.mxfp4 import encode_mxfp4
 
 MXFP4_QUANTIZATION_CONFIG = {
     "quant_method": "compressed-tensors",

@@ -2,11 +2,11 @@
 
 import torch
 
+from lightning_eagle.k3 import config_from_name
+from lightning_eagle.k3.layer import build_mla
 from lightning_eagle.ops.mla import NoPEMLA, causal_additive_mask
 from lightning_eagle.ops.norm import K3RMSNorm
 from lightning_eagle.ops.situ import situ_and_mul
-from lightning_eagle.target import config_from_name
-from lightning_eagle.target.layer import build_mla
 
 
 def test_rmsnorm_fp32_variance_and_cast_before_weight():
@@ -39,7 +39,7 @@ def test_rmsnorm_fp32_variance_and_cast_before_weight():
 def test_norm_eps_choices():
     attn = build_mla(config_from_name("k3-tiny"))
     assert attn.q_a_layernorm.eps == 1e-6 and attn.kv_a_layernorm.eps == 1e-6
-    from lightning_eagle.target.layer import K3DecoderLayer
+    from lightning_eagle.k3.layer import K3DecoderLayer
 
     layer = K3DecoderLayer(config_from_name("k3-tiny"), 3)
     assert layer.input_layernorm.eps == 1e-5 and layer.post_attention_layernorm.eps == 1e-5

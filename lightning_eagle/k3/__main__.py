@@ -1,7 +1,7 @@
 """Smoke run of the K3 target on CPU: build (or load) a checkpoint, run a forward and an EAGLE-3 capture.
 
-python -m lightning_eagle.target                      # synthetic k3-tiny, written and reloaded
-python -m lightning_eagle.target --checkpoint DIR     # a released-layout checkpoint directory
+python -m lightning_eagle.k3                      # synthetic k3-tiny, written and reloaded
+python -m lightning_eagle.k3 --checkpoint DIR     # a released-layout checkpoint directory
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from lightning_eagle.target import KimiK3ForCausalLM, config_from_name
-from lightning_eagle.target.writer import save_k3_checkpoint
+from lightning_eagle.k3 import KimiK3ForCausalLM, config_from_name
+from lightning_eagle.k3.writer import save_k3_checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,11 +8,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from lightning_eagle.k3.config import KimiK3TextConfig
+from lightning_eagle.k3.experts import RoutedExperts
+from lightning_eagle.k3.router import K3Router
 from lightning_eagle.ops.norm import K3RMSNorm
 from lightning_eagle.ops.situ import SituMLP
-from lightning_eagle.target.config import KimiK3TextConfig
-from lightning_eagle.target.experts import RoutedExperts
-from lightning_eagle.target.router import K3Router
 
 
 class ExpertDispatcher(Protocol):
