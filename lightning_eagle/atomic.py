@@ -44,8 +44,9 @@ def _fsync_dir(path: Path) -> None:
         _fsync(path)
 
 
-def _remove_stale_partials(final: Path) -> None:
-    for stale in final.parent.glob(f".{final.name}.*{PARTIAL_SUFFIX}"):
+def remove_partials(folder: Path, name: str = "*") -> None:
+    """Delete the temporaries a killed writer left in ``folder`` (of final name ``name``; all by default)."""
+    for stale in Path(folder).glob(f".{name}.*{PARTIAL_SUFFIX}"):
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
         else:
@@ -61,7 +62,7 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path to write; on success it becomes ``path`` (replacing any old file)."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(final)
+    remove_partials(final.parent, final.name)
     tmp = _partial_name(final)
     try:
         yield tmp
@@ -85,7 +86,7 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
     if final.exists() and not overwrite:
         raise FileExistsError(f"{final} exists; pass overwrite=True to replace it")
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(final)
+    remove_partials(final.parent, final.name)
     tmp = _partial_name(final)
     tmp.mkdir(mode=0o777 & ~_umask())
     try:

@@ -29,6 +29,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_eagle.checkpoint_io import CheckpointLoadError, load_checkpoint_file
 from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.data.datamodule import ChatDataModule
+from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.training.module import Eagle3Module
 from lightning_eagle.training.progress import StepProgressBar
 from lightning_eagle.training.summary import fit_summary
@@ -131,7 +132,7 @@ def dump_main(words: list[str], from_sys_argv: bool) -> None:
         "(--config, --trainer.*, --model.*, --data.*) are read as for fit.",
     )
     parser.add_argument("--out", default=None, help="features folder (default: <trainer.default_root_dir>/features)")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(fmt.DTYPES), help="storage dtype of the states")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="storage dtype of the states")
     parser.add_argument("--hidden-states", default="prenorm", choices=fmt.HIDDEN_KINDS,
                         help="final hidden before (default) or after the final norm")  # fmt: skip
     parser.add_argument("--shard-rows", type=int, default=256, help="rows per shard file")

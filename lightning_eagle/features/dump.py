@@ -30,7 +30,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_eagle.atomic import PARTIAL_SUFFIX
+from lightning_eagle.atomic import remove_partials
 from lightning_eagle.data.dataset import collate_chat_rows
 from lightning_eagle.features import format as fmt
 from lightning_eagle.k3.capture import resolve_aux_layer_ids
@@ -105,8 +105,7 @@ class FeatureDumper(pl.LightningModule):
         strategy = self.trainer.strategy
         if self.trainer.is_global_zero:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.out_dir.glob(f".*{PARTIAL_SUFFIX}"):  # a killed dump's half-written files
-                stale.unlink()
+            remove_partials(self.out_dir)  # a killed dump's half-written files
             self.data.prepare_data()  # tokenize once into the cache
         strategy.barrier("dump-prepare")
         self.plan = self._plan()
@@ -209,7 +208,9 @@ class FeatureDumper(pl.LightningModule):
         if self.target is None:
             from lightning_eagle.training.module import load_frozen_target
 
-            self.target = load_frozen_target(self, self.target_path, **self.target_options)
+            self.target = load_frozen_target(
+                self, self.target_path, self.target_config.num_experts, **self.target_options
+            )
 
     @override
     def on_predict_start(self) -> None:

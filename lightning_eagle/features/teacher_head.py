@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_eagle.data.final_norm import FinalNorm, apply_final_norm, select_final_norm_type, text_config_of
+from lightning_eagle.data.final_norm import FinalNorm, apply_final_norm, select_final_norm_type
 from lightning_eagle.k3.loader import CheckpointError, SafetensorsCheckpoint, named_target
+from lightning_eagle.text_config import text_config_of
 
 _NAMES = {"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 _PREFIXES = ("language_model.", "")  # released VLM layout, bare text layout

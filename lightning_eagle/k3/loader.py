@@ -9,6 +9,7 @@ each tensor is materialised exactly once; with ``expert_range`` only that slice 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -119,6 +120,11 @@ class SafetensorsCheckpoint:
 
 
 QUICKSTART_TARGET = Path(__file__).resolve().parents[1] / "assets" / "k3-tiny-chat"
+
+
+def config_fingerprint(config_text: str) -> str:
+    """16 hex digits of the target's ``config.json``: what checkpoints and feature dumps record and compare."""
+    return hashlib.sha256(config_text.encode()).hexdigest()[:16]
 
 
 def named_target(target: str | Path) -> Path:

@@ -10,12 +10,10 @@ Research hooks (override in a subclass; each is passed to :func:`~lightning_eagl
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -31,7 +29,7 @@ from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.features.teacher_head import TeacherHead
 from lightning_eagle.k3.config import text_config_from_dict
-from lightning_eagle.k3.loader import read_config, resolve_target_path
+from lightning_eagle.k3.loader import config_fingerprint, resolve_target_path
 from lightning_eagle.k3.model import KimiK3ForCausalLM
 from lightning_eagle.parallel.validate import validate_layout, validate_target_config
 from lightning_eagle.training.loss import soft_cross_entropy
@@ -65,16 +63,17 @@ def _expert_range(owner: pl.LightningModule, num_experts: int) -> tuple[int, int
     return fn(num_experts) if callable(fn) else None
 
 
-def load_frozen_target(owner: pl.LightningModule, target_path, dtype: str, expert_storage: str) -> KimiK3ForCausalLM:
+def load_frozen_target(
+    owner: pl.LightningModule, target_path, num_experts: int, dtype: str, expert_storage: str
+) -> KimiK3ForCausalLM:
     """The frozen K3 of ``owner``'s run: this rank's expert slice on its device, the strategy's dispatcher installed.
 
     The one loading path for training (``Eagle3Module``) and feature dumps (``FeatureDumper``)."""
     trainer = owner._trainer
     strategy = trainer.strategy if trainer is not None else None
-    config = read_config(Path(target_path))
     target = KimiK3ForCausalLM.from_pretrained(
         target_path, dtype=DTYPES[dtype], device=strategy.root_device if strategy is not None else "cpu",
-        expert_range=_expert_range(owner, config.num_experts), expert_storage=expert_storage,
+        expert_range=_expert_range(owner, num_experts), expert_storage=expert_storage,
     )  # fmt: skip
     if hasattr(strategy, "parallelize_target"):
         strategy.parallelize_target(target)  # installs the expert-parallel dispatcher
@@ -177,7 +176,7 @@ class Eagle3Module(pl.LightningModule):
         self.target_path = resolve_target_path(target)
         self.aux_layer_ids = aux_layer_ids
         config_text = (self.target_path / "config.json").read_text()
-        self.target_fingerprint = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+        self.target_fingerprint = config_fingerprint(config_text)
         self.target_config = text_config_from_dict(json.loads(config_text), source=str(self.target_path))
         validate_target_config(self.target_config, aux_layer_ids)
         # Builds (and validates: GQA, NoPE, aux ids) the draft config without any weights.
@@ -220,8 +219,9 @@ class Eagle3Module(pl.LightningModule):
             embedding = self.teacher_head.embed_tokens
         else:
             self.target = load_frozen_target(
-                self, self.target_path, self.hparams.target_dtype, self.hparams.target_expert_storage
-            )
+                self, self.target_path, self.target_config.num_experts, self.hparams.target_dtype,
+                self.hparams.target_expert_storage,
+            )  # fmt: skip
             embedding = self.target.model.embed_tokens.weight
         mapping = vocab_mapping if vocab_mapping is not None else self._vocab_mapping()
         self.draft_config = self._draft_config(None if mapping is None else int(mapping.selected.numel()))

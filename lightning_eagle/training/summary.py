@@ -5,6 +5,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_eagle.training.export_callback import ExportDraftCallback
+
 
 def _metric(trainer: pl.Trainer, name: str) -> str:
     value = trainer.callback_metrics.get(name)
@@ -20,7 +22,7 @@ def fit_summary(trainer: pl.Trainer) -> str:
     rows += [(f"last {n}", _metric(trainer, n)) for n in ("val/tau_sim", "val/tau_real", "val/loss")]
     if ckpt is not None:
         rows += [("best checkpoint", ckpt.best_model_path or "—"), ("last checkpoint", ckpt.last_model_path or "—")]
-    export = next((c for c in trainer.callbacks if hasattr(c, "resolved_out_dir")), None)
+    export = next((c for c in trainer.callbacks if isinstance(c, ExportDraftCallback)), None)
     if export is not None:
         rows.append(("exported draft", str(export.resolved_out_dir(trainer))))
     if trainer.logger is not None and getattr(trainer.logger, "log_dir", None):
