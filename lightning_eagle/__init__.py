@@ -1,6 +1,6 @@
 """lightning_eagle: train EAGLE-3 speculative-decoding drafts for a frozen Kimi K3 target with PyTorch Lightning.
 
-Data flow: ``data`` (chats → tokens + loss masks + vocab map) → ``target`` (frozen K3, aux hidden states, teacher
+Data flow: ``data`` (chats → tokens + loss masks + vocab map) → ``k3`` (frozen K3, aux hidden states, teacher
 hidden) → ``draft`` (NoPE-MLA gated EAGLE-3 layer) → ``training`` (TTT loss, metrics, LightningModule) →
 ``parallel`` (expert-parallel strategy, layout gates) → ``cli``.
 """
@@ -23,13 +23,20 @@ _EXPORTS = {
     "Eagle3Module": "lightning_eagle.training.module",
     "ChatDataModule": "lightning_eagle.data.datamodule",
     "ExpertParallelStrategy": "lightning_eagle.parallel.strategy",
+    "ParallelLayout": "lightning_eagle.parallel.layout",
 }
 
 __all__ = sorted(_EXPORTS)
 
-if TYPE_CHECKING:  # pragma: no cover
-    from lightning_eagle.k3.config import KimiK3Config, KimiK3TextConfig  # noqa: F401
-    from lightning_eagle.k3.model import KimiK3ForCausalLM  # noqa: F401
+if TYPE_CHECKING:  # pragma: no cover — what IDEs and type checkers see; a test keeps it equal to _EXPORTS
+    from lightning_eagle.data.datamodule import ChatDataModule
+    from lightning_eagle.draft import KimiK3Eagle3Draft, export_draft
+    from lightning_eagle.k3.config import KimiK3Config, KimiK3TextConfig
+    from lightning_eagle.k3.model import KimiK3ForCausalLM
+    from lightning_eagle.k3.presets import config_from_name
+    from lightning_eagle.parallel.layout import ParallelLayout
+    from lightning_eagle.parallel.strategy import ExpertParallelStrategy
+    from lightning_eagle.training.module import Eagle3Module
 
 
 def __getattr__(name: str):

@@ -34,6 +34,7 @@ from lightning_eagle.k3 import config_from_name
 from lightning_eagle.k3 import loader as target_loader
 from lightning_eagle.k3.loader import CheckpointError
 from lightning_eagle.k3.writer import save_k3_checkpoint
+from lightning_eagle.parallel.strategy import ExpertParallelStrategy
 from lightning_eagle.parallel.validate import UnsupportedLayoutError
 
 LIBRARY = Path(lightning_eagle.__file__).resolve().parent
@@ -415,7 +416,8 @@ CLI_CASES = [
     pytest.param([*FIT, "--model.draft", '{"ttt_steps": 4}'], 1,
                  ["draft={…} repeats a setting that has its own argument (draft.ttt_steps → set ttt_steps instead)"],
                  id="draft-repeats-setting"),
-    pytest.param([*FIT, "--model.tensor_parallel_size", "2"], 1,
+    pytest.param([*FIT, "--trainer.strategy", "lightning_eagle.parallel.ExpertParallelStrategy",
+                  "--trainer.strategy.tensor_parallel_size", "2"], 1,
                  ["tensor_parallel_size=2: the K3 target supports neither context nor tensor parallelism"],
                  id="tensor-parallel"),
     pytest.param([*FIT, "--trainer.precision", "bf16-true"], 1,
@@ -529,7 +531,7 @@ def test_foreign_checkpoint(tmp_path, tiny_target, chat_rows, trained_ckpt, whic
     assert {k: v for k, v in snapshot(tmp_path).items() if k != "run"} == before
 
 
-# ---- unsupported layouts: Eagle3Module(...) refuses before any target weight is read -------------------------------
+# ---- unsupported layouts: the strategy refuses at construction, before any target weight is read --------------------
 LAYOUT_CASES = [
     pytest.param({"tensor_parallel_size": 2}, UnsupportedLayoutError,
                  ["tensor_parallel_size=2: the K3 target supports neither context nor tensor parallelism",
@@ -558,6 +560,6 @@ def test_unsupported_layout(tmp_path, tiny_target, monkeypatch, overrides, exc, 
     monkeypatch.setattr(target_loader, "safe_open", lambda *a, **k: pytest.fail(f"target weights read: {a}"))
     before = snapshot(tiny_target)
     with expect(exc, fragments) as info:
-        Eagle3Module(**module_kwargs(tiny_target, **overrides))
+        ExpertParallelStrategy(**overrides)
     assert_raised_by_library(info)
     assert snapshot(tiny_target) == before and not any(tmp_path.iterdir())

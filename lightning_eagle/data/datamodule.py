@@ -89,7 +89,7 @@ class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
             serving configuration. ``thinking_effort=None`` omits the ~280-token effort note (byte tokenizer).
         loss_mask_recovery: force a registered recovery by name; None = detect from the tokenizer (raises if none).
         include_generation_scaffold / include_trailer / last_turn_only / drop_scaffold_only_tail: ``kimi_k3``
-            options (chat spec §6.7); ignored names raise for other recoveries.
+            options (`chat_and_loss_mask.md` §6.7); ignored names raise for other recoveries.
         draft_vocab_size: draft vocabulary size; None (or >= vocab) = identity map.
         on_bad_row: ``"raise"`` on the first malformed row (file:line: field: problem) or ``"skip"`` and count it.
         cache_dir: tokenized-data cache root (default ``$LIGHTNING_EAGLE_CACHE`` or ``~/.cache/lightning_eagle``);

@@ -1,7 +1,7 @@
 """Tokenizing chat files into masked rows, cached on disk as safetensors + a JSON manifest (never pickle).
 
-Pipeline per row (chat spec §4.4): read and normalize (:mod:`lightning_eagle.data.formats`: ShareGPT / OpenAI /
-pre-tokenized rows from JSON, JSONL, ``.gz``/``.zst``, Parquet) -> validate -> render K3 with
+Pipeline per row (`chat_and_loss_mask.md` §4.4): read and normalize (:mod:`lightning_eagle.data.formats`:
+ShareGPT / OpenAI / pre-tokenized rows from JSON, JSONL, ``.gz``/``.zst``, Parquet) -> validate -> render K3 with
 ``add_generation_prompt=False`` -> right-cut to ``max_length`` -> recover the loss mask on the cut ids (pre-tokenized
 rows keep a stored ``loss_mask``) -> drop rows with no supervised token. Every skipped, truncated or dropped row is
 counted in :class:`DataSummary`.
@@ -236,7 +236,7 @@ class _Encoder:
         return ids
 
     def _segments(self, data: dict[str, Any]) -> list:
-        # Training data never ends in a generation prompt (chat spec §1.6, §4.4).
+        # Training data never ends in a generation prompt (`chat_and_loss_mask.md` §1.6, §4.4).
         if self.k2:
             thinking = bool(self.options.render_options.get("thinking", False))
             return build_k2_segments(data["messages"], data.get("tools"), thinking=thinking)

@@ -1,4 +1,4 @@
-"""Which final norm rebuilds teacher logits from a stored *pre-norm* hidden state (chat spec §9).
+"""Which final norm rebuilds teacher logits from a stored *pre-norm* hidden state (`chat_and_loss_mask.md` §9).
 
 ``logits = lm_head(norm(h_pre))`` needs the family's norm. The table is keyed on the **text** config's
 ``model_type``: K3's outer ``model_type`` is ``kimi_k3`` but its text config is ``kimi_linear``. ``kimi_k3`` is

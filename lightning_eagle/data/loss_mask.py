@@ -1,11 +1,11 @@
-"""Token-level loss-mask recovery for slow Kimi tokenizers (chat spec §4-§6).
+"""Token-level loss-mask recovery for slow Kimi tokenizers (`chat_and_loss_mask.md` §4-§6).
 
 K2/K3 ship only a slow tokenizer, so ``apply_chat_template`` cannot return an assistant mask; we recover it from the
 ids. A mask value of 1 marks a position inside an assistant content span (the trainer then supervises the prediction
-of the *next* token, eagle3 spec §6.3). Recoveries live in an ordered registry; the first whose ``detect`` accepts
-the tokenizer wins. ``kimi_k3`` is registered before ``kimi`` and ``kimi`` also defers whenever the XTML markers
-resolve, because K3 tokenizers can still resolve the K2 ``<|im_*|>`` names (spec §1.5) and the K2 recovery would
-return an all-zero mask on K3 data.
+of the *next* token, `eagle3_training.md` §6.3). Recoveries live in an ordered registry; the first whose
+``detect`` accepts the tokenizer wins. ``kimi_k3`` is registered before ``kimi`` and ``kimi`` also defers whenever the
+XTML markers resolve, because K3 tokenizers can still resolve the K2 ``<|im_*|>`` names (`chat_and_loss_mask.md`
+§1.5) and the K2 recovery would return an all-zero mask on K3 data.
 """
 
 from __future__ import annotations

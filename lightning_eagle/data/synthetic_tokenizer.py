@@ -23,7 +23,7 @@ def synthetic_k3_tokenizer(merges: Iterable[str] = (), added_tokens: Sequence[st
     ``synthetic_k3_tokenizer()`` is exactly the golden layout (ids 0..255 bytes, ``[BOS]`` 256, ``<|end_of_msg|>``
     258, ``<|open|>`` 259, ``<|close|>`` 260, ``<|sep|>`` 261, ``[UNK]`` 510, ``[PAD]`` 511; vocab 512). ``merges``
     adds multi-byte tokens after the bytes (shifting the specials up), for tests that need multi-byte words;
-    ``added_tokens`` reproduces the chat spec §1.5 trap (K2 names appended as HF-style added tokens).
+    ``added_tokens`` reproduces the `chat_and_loss_mask.md` §1.5 trap (K2 names appended as HF-style added tokens).
     """
     return KimiTokenizer(
         byte_ranks(merges),

@@ -312,7 +312,7 @@ class KimiTokenizer:
         """The released tokenizer's entry point with *its* defaults (generation prompt on, ``thinking_effort`` max).
 
         Training data should go through :func:`lightning_eagle.data.render_k3_chat`, whose generation prompt is off
-        by default (chat spec §1.6). Truncation is a plain right cut, as in the reference.
+        by default (`chat_and_loss_mask.md` §1.6). Truncation is a plain right cut, as in the reference.
         """
         if self.chat_format == "k3":
             from lightning_eagle.data.render_k3 import build_k3_segments

@@ -19,8 +19,9 @@ from lightning_eagle.data.tokenizer import K3_PAT_STR, NUM_RESERVED_SPECIAL_TOKE
 
 log = logging.getLogger(__name__)
 
-# What the K3 tokenizer file falls back to when a config passes no ``additional_special_tokens`` (chat spec §1.5):
-# these K2 names then become *added* tokens above the special range and resolve to real ids on a K3 tokenizer.
+# What the K3 tokenizer file falls back to when a config passes no ``additional_special_tokens``
+# (`chat_and_loss_mask.md` §1.5): these K2 names then become *added* tokens above the special range and resolve to
+# real ids on a K3 tokenizer.
 K2_DEFAULT_ADDITIONAL_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|im_end|>",
     "<|im_user|>",
@@ -137,7 +138,7 @@ def load_kimi_tokenizer(path: str | Path, *, pat_str: str | None = None) -> Kimi
     ``<|reserved_token_{id}|>``). The pre-tokenizer regex comes from ``pat_str``, else the directory's
     ``tokenization_kimi.py`` (parsed, never executed), else :data:`K3_PAT_STR`. As in the released tokenizer, a
     config without ``additional_special_tokens`` falls back to the K2 default list, whose names become added
-    tokens above the special range (chat spec §1.5); the loss-mask detection order keeps that safe.
+    tokens above the special range (`chat_and_loss_mask.md` §1.5); the loss-mask detection order keeps that safe.
     """
     directory = Path(path)
     if not directory.is_dir():
@@ -171,7 +172,7 @@ def load_kimi_tokenizer(path: str | Path, *, pat_str: str | None = None) -> Kimi
         additional = list(K2_DEFAULT_ADDITIONAL_SPECIAL_TOKENS)
         log.warning(
             "%s: tokenizer_config.json has no additional_special_tokens; like the released tokenizer we fall back to "
-            "the K2 list, so <|im_*|> names resolve as added tokens (chat spec §1.5)",
+            "the K2 list, so <|im_*|> names resolve as added tokens (`chat_and_loss_mask.md` §1.5)",
             directory,
         )
     special_names = set(specials.values())

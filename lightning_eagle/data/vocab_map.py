@@ -1,4 +1,4 @@
-"""Draft vocabulary map ``d2t`` / ``t2d`` (eagle3 spec §9).
+"""Draft vocabulary map ``d2t`` / ``t2d`` (`eagle3_training.md` §9).
 
 The draft predicts over ``N_d`` of the target's ``V`` ids. We count the tokens the draft is actually asked to
 predict - ``x[q+1]`` for every position ``q`` with ``loss_mask[q] == 1`` (the trainer's gate, §6.3) - force the

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
+from lightning_eagle.parallel.layout import ParallelLayout, ReplicatedTarget, TargetParallelism, target_parallelism
 from lightning_eagle.parallel.validate import UnsupportedLayoutError, validate_layout, validate_target_config
 
 # Lazy: the strategy imports Lightning (seconds); the layout gates must stay cheap to import.
@@ -23,7 +25,30 @@ _EXPORTS = {
     "launch_local": "lightning_eagle.parallel.local_launch",
 }
 
-__all__ = ["UnsupportedLayoutError", "validate_layout", "validate_target_config", *sorted(_EXPORTS)]
+__all__ = [
+    "ParallelLayout",
+    "ReplicatedTarget",
+    "TargetParallelism",
+    "UnsupportedLayoutError",
+    "target_parallelism",
+    "validate_layout",
+    "validate_target_config",
+    *sorted(_EXPORTS),
+]
+
+if TYPE_CHECKING:  # pragma: no cover — what IDEs and type checkers see; a test keeps it equal to _EXPORTS
+    from lightning_eagle.parallel.dispatcher import (
+        AllGatherExpertDispatcher,
+        DeepEPDispatcher,
+        HybridEPDispatcher,
+        TorchExpertDispatcher,
+        build_dispatcher,
+    )
+    from lightning_eagle.parallel.grad_sync import all_reduce_gradients
+    from lightning_eagle.parallel.local_launch import launch_local
+    from lightning_eagle.parallel.memory import memory_table, per_rank_memory_report
+    from lightning_eagle.parallel.shard import enable_expert_parallel, expert_range, routed_expert_bytes
+    from lightning_eagle.parallel.strategy import ExpertParallelStrategy
 
 
 def __getattr__(name: str):

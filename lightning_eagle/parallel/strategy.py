@@ -5,9 +5,9 @@ Layout: the world is a ``(data_parallel, expert_parallel)`` mesh, ``dp = world /
 consecutive (on GPUs: inside one node, where all-to-all is cheapest). Every rank
 
 * gets different tokens (the sampler shards over the whole world, not only over ``data_parallel``);
-* holds the replicated non-expert target weights plus its contiguous slice of routed experts, loaded by
-  :meth:`ExpertParallelStrategy.load_target` (only those expert bytes are read), with MoE layers exchanging tokens
-  through the EP dispatcher;
+* holds the replicated non-expert target weights plus its contiguous slice of routed experts (the module loads them
+  through :func:`~lightning_eagle.training.module.load_frozen_target`, which asks :meth:`expert_range`; only those
+  expert bytes are read), with MoE layers exchanging tokens through the EP dispatcher;
 * holds a full replica of the draft whose gradients are averaged over the world before every optimizer step
   (:meth:`optimizer_step` wraps the closure; see :mod:`lightning_eagle.parallel.grad_sync`). A draft wrapped with
   FSDP2 ``fully_shard`` in ``configure_model`` is the documented alternative: its DTensor gradients are skipped
@@ -17,10 +17,11 @@ Checkpoints hold what ``LightningModule.state_dict()`` returns — the module mu
 refuses state dicts that contain it). A replicated draft is saved as one file by rank 0 with plain
 ``optimizer.state_dict()`` s, so it resumes on any world size.
 
-Refusals (one pure function, :func:`~lightning_eagle.parallel.validate.validate_layout`) fire in ``__init__``
-(static flags), in ``_configure_launcher`` (world size, precision; inside ``Trainer(...)``), before processes start
-(the module's target config, if it exposes ``target_path``) and in :meth:`load_target` — always before any target
-weight is read.
+The strategy owns the run's :class:`~lightning_eagle.parallel.layout.ParallelLayout` and implements
+:class:`~lightning_eagle.parallel.layout.TargetParallelism`. The layout is validated as facts arrive — the static
+settings in ``__init__``, the world size (and precision) inside ``Trainer(...)``, the target's expert count in the main
+process before workers start (when the module exposes ``target_path``) or in :meth:`expert_range`, the device types
+of all ranks in :meth:`setup_environment` — always before any target weight is read.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ from torch import nn
 from lightning_eagle.parallel.dispatcher import build_dispatcher, check_dispatcher
 from lightning_eagle.parallel.grad_sync import all_reduce_gradients
 from lightning_eagle.parallel.launcher import ExpertParallelLauncher
+from lightning_eagle.parallel.layout import ParallelLayout
 from lightning_eagle.parallel.memory import per_rank_memory_report
 from lightning_eagle.parallel.shard import enable_expert_parallel, expert_range
-from lightning_eagle.parallel.validate import validate_layout, validate_target_config
+from lightning_eagle.parallel.validate import validate_target_config
 from lightning_eagle.text_config import config_value, text_config_of
 
 START_METHODS = ("popen", "spawn", "fork")
@@ -85,9 +87,11 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        self._ep = expert_parallel_size
-        self._target_dispatcher = target_dispatcher
-        self._static_flags = dict(
+        # The requested layout, validated now (static settings); refined with the world size in `Trainer(...)`, and
+        # with the device types and the target's expert count before any weight is read.
+        self._layout = ParallelLayout(
+            expert_parallel_size=expert_parallel_size,
+            target_dispatcher=target_dispatcher,
             tensor_parallel_size=tensor_parallel_size,
             context_parallel_size=context_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
@@ -96,8 +100,6 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             p_eagle=p_eagle,
             target_force_hf=target_force_hf,
         )
-        # World size and expert count are not known yet: `ep` stands in for both (it divides itself).
-        self._validate(world_size=expert_parallel_size, num_experts=expert_parallel_size)
         check_dispatcher(target_dispatcher)
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r} is unknown; choose one of {START_METHODS}")
@@ -111,20 +113,20 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         )
         self._dispatcher = None
 
-    # ---- validation ---------------------------------------------------------------------------------------------
-    def _validate(self, world_size: int, num_experts: int | None = None, device_types=None) -> None:
-        validate_layout(
-            world_size=world_size,
-            num_experts=self._ep if num_experts is None else num_experts,
-            expert_parallel_size=self._ep,
-            target_dispatcher=self._target_dispatcher,
-            device_types=device_types,
-            **self._static_flags,
-        )
+    # ---- layout ---------------------------------------------------------------------------------------------------
+    @property
+    def layout(self) -> ParallelLayout:
+        """The run's layout, with every fact known so far (world size after ``Trainer(...)``, device types and
+        ``num_experts`` once processes have started or the module has named its target)."""
+        return self._layout
+
+    def _refine(self, **facts: Any) -> ParallelLayout:
+        self._layout = self._layout.refine(**facts)
+        return self._layout
 
     def _refuse_half_precision(self) -> None:
         # HalfPrecision.convert_module casts the whole LightningModule — the frozen target's fp32 router bias,
-        # A_log, dt_bias, conv and o_norm weights included (lightning_notes §6).
+        # A_log, dt_bias, conv and o_norm weights included (`lightning_notes.md` §6).
         plugin = self.precision_plugin
         if isinstance(plugin, HalfPrecision):
             raise ValueError(
@@ -147,7 +149,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         num_experts = config_value(text, "num_experts")
         if not isinstance(num_experts, int):
             raise ValueError(f"the target config has no integer num_experts (got {num_experts!r})")
-        self._validate(world_size=self.world_size, num_experts=num_experts)
+        self._refine(num_experts=num_experts)
         return text
 
     def validate_module(self, module: Any) -> None:
@@ -160,7 +162,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         devices = self.parallel_devices or []
-        self._validate(world_size=self.num_nodes * self.num_processes, device_types=[d.type for d in devices] or None)
+        self._refine(world_size=self.num_nodes * self.num_processes, device_types=[d.type for d in devices] or None)
         self._refuse_half_precision()
         if self._start_method == "popen":
             super()._configure_launcher()
@@ -174,25 +176,24 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         # Identical inputs on every rank → every rank fails the same way, before any collective can deadlock.
         device_types: list[str | None] = [None] * self.world_size
         dist.all_gather_object(device_types, self.root_device.type)
-        self._validate(world_size=self.world_size, device_types=device_types)
-        ep = self._ep
+        ep = self._refine(world_size=self.world_size, device_types=device_types).expert_parallel_size
         self._device_mesh = init_device_mesh(
             self.root_device.type, (self.world_size // ep, ep), mesh_dim_names=("data_parallel", "expert_parallel")
         )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # `self.device_mesh` inside configure_model
         if ep > 1:
-            self._dispatcher = build_dispatcher(self._target_dispatcher, self.expert_parallel_group)
+            self._dispatcher = build_dispatcher(self._layout.target_dispatcher, self.expert_parallel_group)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # EP ranks are data-parallel for the draft: every rank needs different tokens (lightning_notes §9).
+        # EP ranks are data-parallel for the draft: every rank needs different tokens (`lightning_notes.md` §9).
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     # ---- the API LightningModule.configure_model uses -----------------------------------------------------------
     @property
     def expert_parallel_size(self) -> int:
-        return self._ep
+        return self._layout.expert_parallel_size
 
     @property
     def ep_size(self) -> int:
@@ -212,7 +213,9 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         return self._dispatcher
 
     def expert_range(self, num_experts: int) -> tuple[int, int]:
-        """``(start, count)`` of the routed experts this rank loads (``from_pretrained(expert_range=...)``)."""
+        """``(start, count)`` of the routed experts this rank loads (``from_pretrained(expert_range=...)``); refuses
+        an expert count the layout cannot split before anything is read."""
+        self._refine(num_experts=num_experts)
         return expert_range(num_experts, self.ep_size, self.ep_rank)
 
     def parallelize_target(self, target: nn.Module) -> nn.Module:
@@ -224,29 +227,6 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             dtype = next((p.dtype for p in target.parameters() if p.dtype not in (torch.float32,)), torch.float32)
             rank_zero_info(str(per_rank_memory_report(config, self.ep_size, dtype)))
         return target
-
-    def load_target(
-        self,
-        path: str | os.PathLike,
-        dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str | None = None,
-        kda_backend: str = "auto",
-        aux_layer_ids=None,
-    ):
-        """Validate ``path``'s config against the layout, then load this rank's shard of the frozen target
-        (replicated non-expert weights + this rank's experts, read from disk and nothing else) and parallelize it.
-        """
-        from lightning_eagle.k3.model import KimiK3ForCausalLM
-
-        config = self.validate_target(path, aux_layer_ids)
-        target = KimiK3ForCausalLM.from_pretrained(
-            path,
-            dtype=dtype,
-            device=self.root_device if device is None else device,
-            expert_range=self.expert_range(config.num_experts),
-            kda_backend=kda_backend,
-        )
-        return self.parallelize_target(target)
 
     # ---- draft gradients ----------------------------------------------------------------------------------------
     def reduce_gradients(self) -> int:
@@ -279,7 +259,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             raise RuntimeError(
                 f"the LightningModule's state_dict() contains {len(leaked)} frozen-target tensor(s) (e.g. "
                 f"{leaked[0]!r}): checkpoints must hold only the draft — override state_dict() to drop the target "
-                "and set strict_loading=False (lightning_notes §7)"
+                "and set strict_loading=False (`lightning_notes.md` §7)"
             )
 
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """EAGLE-3 training math: shift, teacher, loss, the TTT unroll and its metrics (the LightningModule lives in
 ``training/module.py``)."""
 
+from typing import TYPE_CHECKING
+
 from lightning_eagle.training.loss import soft_cross_entropy, step_weights
 from lightning_eagle.training.shift import shift_left, shift_target_outputs
 from lightning_eagle.training.teacher import Teacher, compute_teacher, teacher_from_hidden, teacher_from_logits
@@ -21,6 +23,10 @@ __all__ = [
     "teacher_from_logits",
     "ttt_loss",
 ]
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_eagle.training.metrics import TTTMetrics
 
 
 def __getattr__(name: str):

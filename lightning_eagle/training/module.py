@@ -31,7 +31,8 @@ from lightning_eagle.features.teacher_head import TeacherHead
 from lightning_eagle.k3.config import text_config_from_dict
 from lightning_eagle.k3.loader import config_fingerprint, resolve_target_path
 from lightning_eagle.k3.model import KimiK3ForCausalLM
-from lightning_eagle.parallel.validate import validate_layout, validate_target_config
+from lightning_eagle.parallel.layout import TargetParallelism, target_parallelism
+from lightning_eagle.parallel.validate import validate_target_config
 from lightning_eagle.training.loss import soft_cross_entropy
 from lightning_eagle.training.loss import step_weights as default_step_weights
 from lightning_eagle.training.metrics import TTTMetrics
@@ -57,27 +58,25 @@ MODULE_DRAFT_FIELDS = {
 }
 
 
-def _expert_range(owner: pl.LightningModule, num_experts: int) -> tuple[int, int] | None:
+def _parallelism(owner: pl.LightningModule) -> TargetParallelism:
     trainer = owner._trainer
-    fn = getattr(trainer.strategy, "expert_range", None) if trainer is not None else None
-    return fn(num_experts) if callable(fn) else None
+    return target_parallelism(trainer.strategy if trainer is not None else None)
 
 
 def load_frozen_target(
     owner: pl.LightningModule, target_path, num_experts: int, dtype: str, expert_storage: str
 ) -> KimiK3ForCausalLM:
-    """The frozen K3 of ``owner``'s run: this rank's expert slice on its device, the strategy's dispatcher installed.
+    """The frozen K3 of ``owner``'s run: this rank's expert slice on its device, placed by the strategy
+    (:class:`~lightning_eagle.parallel.layout.TargetParallelism`: e.g. the expert-parallel dispatcher installed).
 
     The one loading path for training (``Eagle3Module``) and feature dumps (``FeatureDumper``)."""
-    trainer = owner._trainer
-    strategy = trainer.strategy if trainer is not None else None
+    parallelism = _parallelism(owner)
+    expert_range = parallelism.expert_range(num_experts)  # refuses an unsplittable expert count before any read
+    device = owner._trainer.strategy.root_device if owner._trainer is not None else torch.device("cpu")
     target = KimiK3ForCausalLM.from_pretrained(
-        target_path, dtype=DTYPES[dtype], device=strategy.root_device if strategy is not None else "cpu",
-        expert_range=_expert_range(owner, num_experts), expert_storage=expert_storage,
-    )  # fmt: skip
-    if hasattr(strategy, "parallelize_target"):
-        strategy.parallelize_target(target)  # installs the expert-parallel dispatcher
-    return target
+        target_path, dtype=DTYPES[dtype], device=device, expert_range=expert_range, expert_storage=expert_storage
+    )
+    return parallelism.parallelize_target(target)
 
 
 def rng_states_to_checkpoint(states: dict[str, Any]) -> dict[str, Any]:
@@ -128,8 +127,9 @@ class Eagle3Module(pl.LightningModule):
         lr / weight_decay / warmup_ratio / min_lr_ratio: AdamW (betas 0.9/0.95) + warmup-cosine defaults;
             ``optimizer`` / ``lr_scheduler`` callables replace them (LightningCLI ``OptimizerCallable``).
         teacher_vocab_chunk / teacher_seq_chunk: chunking of the teacher's full-vocabulary argmax.
-        target_backend, tensor/context/pipeline_parallel_size, sequence_packing, p_eagle, target_force_hf:
-            refused layouts, checked here before any target weight is read.
+
+    How ranks share the target is the strategy's business (:class:`~lightning_eagle.parallel.ParallelLayout`,
+    refused layouts included); the module only asks it through :func:`load_frozen_target`.
     """
 
     def __init__(
@@ -155,23 +155,10 @@ class Eagle3Module(pl.LightningModule):
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         teacher_vocab_chunk: int = 16384,
         teacher_seq_chunk: int = 2048,
-        target_backend: str = "colocated",
-        tensor_parallel_size: int = 1,
-        context_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        sequence_packing: bool = False,
-        p_eagle: bool = False,
-        target_force_hf: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
-        # Gates first: nothing below reads a weight. EP sizes are the strategy's business (validated there).
-        validate_layout(
-            world_size=None, num_experts=None, tensor_parallel_size=tensor_parallel_size,
-            context_parallel_size=context_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-            sequence_packing=sequence_packing, target_backend=target_backend, p_eagle=p_eagle,
-            target_force_hf=target_force_hf,
-        )  # fmt: skip
+        # Gates first: nothing below reads a weight.
         _refuse_second_spelling(draft)
         self.target_path = resolve_target_path(target)
         self.aux_layer_ids = aux_layer_ids
@@ -203,7 +190,7 @@ class Eagle3Module(pl.LightningModule):
 
     def expert_range(self) -> tuple[int, int] | None:
         """This rank's slice of routed experts (None = all); an expert-parallel strategy decides."""
-        return _expert_range(self, self.target_config.num_experts)
+        return _parallelism(self).expert_range(self.target_config.num_experts)
 
     @override
     def configure_model(self, vocab_mapping=None) -> None:

@@ -1,4 +1,6 @@
-"""Up-front refusals: every one fires in the module's constructor, before any target weight is read."""
+"""Up-front refusals: every one fires in the module's constructor, before any target weight is read. (Layout
+refusals — tensor/context/pipeline parallel, packing, P-EAGLE, remote targets — belong to the strategy's
+``ParallelLayout``: ``tests/parallel/test_parallel_layout.py``.)"""
 
 import json
 
@@ -21,13 +23,6 @@ def no_weight_reads(monkeypatch):
 @pytest.mark.parametrize(
     "overrides, exc, fragment",
     [
-        ({"target_backend": "sglang"}, NotImplementedError, "requires target_model_backend='colocated'"),
-        ({"tensor_parallel_size": 2}, NotImplementedError, "neither context nor tensor parallelism"),
-        ({"context_parallel_size": 2}, ValueError, "context_parallel_size=2"),
-        ({"pipeline_parallel_size": 2}, NotImplementedError, "Pipeline parallelism"),
-        ({"sequence_packing": True}, NotImplementedError, "Sequence packing"),
-        ({"p_eagle": True}, NotImplementedError, "Parallel drafting"),
-        ({"target_force_hf": True}, ValueError, "target_force_hf"),
         ({"aux_layer_ids": [1, 3, 3]}, ValueError, "distinct"),
         ({"aux_layer_ids": None}, ValueError, "pass aux_layer_ids"),
         ({"draft": {"num_key_value_heads": 2}}, ValueError, "one K/V head per query head"),
@@ -63,3 +58,9 @@ def test_missing_target_is_named(tmp_path):
 def test_ttt_steps_reaches_draft_and_metrics(target_dir):
     module = Eagle3Module(**module_kwargs(target_dir, ttt_steps=4))
     assert module.draft_config.ttt_steps == 4 and module.train_metrics.ttt_steps == module.val_metrics.ttt_steps == 4
+
+
+def test_layout_settings_are_not_module_arguments():
+    """One home: a layout setting on the module is an unknown argument, not a second copy of the strategy's."""
+    with pytest.raises(TypeError, match="tensor_parallel_size"):
+        Eagle3Module(tensor_parallel_size=2)

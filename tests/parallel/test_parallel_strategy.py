@@ -8,7 +8,6 @@ from unittest.mock import MagicMock
 
 import lightning as L
 import pytest
-import torch
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import nn
 
@@ -137,12 +136,15 @@ def _fake_mesh(ep_size, ep_rank):
     return mesh
 
 
-def test_load_target_gates_the_config_before_reading_weights(golden_dir, opened):
+def test_expert_range_gates_the_expert_count_before_reading_weights(golden_dir, opened):
+    """The module's loading path (`load_frozen_target`) asks `expert_range` first: an unsplittable count stops it."""
+    from lightning_eagle.training.module import load_frozen_target
+
     trainer = _trainer(ExpertParallelStrategy(expert_parallel_size=3, start_method="fork"), devices=3)
-    strategy = trainer.strategy
-    strategy._device_mesh = _fake_mesh(3, 0)
+    trainer.strategy._device_mesh = _fake_mesh(3, 0)
+    owner = MagicMock(_trainer=trainer)
     with pytest.raises(ValueError, match=r"num_experts \(8\) is not divisible by expert_parallel_size \(3\)"):
-        strategy.load_target(golden_dir / "target", dtype=torch.float32)
+        load_frozen_target(owner, golden_dir / "target", 8, "float32", "dequantized")
     assert opened == []
 
 

@@ -1,8 +1,8 @@
 """ExpertParallelStrategy inside a real ``Trainer`` (2 forked gloo ranks, the golden K3 target).
 
-``Eagle3Module`` does not exist yet, so a small stand-in module drives the strategy exactly as the real one will:
-``configure_model`` calls ``strategy.load_target`` (meta build, this rank's expert slice, dispatcher), the "draft" is
-a linear map from the captured aux states to the final hidden state, ``state_dict`` drops the target.
+A small stand-in module drives the strategy exactly as ``Eagle3Module`` does: ``configure_model`` calls
+``load_frozen_target`` (this rank's expert slice, the dispatcher), the "draft" is a linear map from the captured aux
+states to the final hidden state, ``state_dict`` drops the target.
 
 One 2-rank EP=2 epoch must equal one 1-rank epoch over the same samples (the sampler shards over the world, the
 gradients are averaged), and its checkpoint must resume on one rank to the same state as an uninterrupted run.
@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from lightning_eagle.parallel.shard import routed_expert_bytes
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
+from lightning_eagle.training.module import load_frozen_target
 
 pytestmark = pytest.mark.multiprocess
 
@@ -51,7 +52,7 @@ class StandInModule(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.target is None:  # idempotent: Lightning calls it once per stage
-            self.target = self.trainer.strategy.load_target(self.target_path, dtype=torch.float32, kda_backend="chunk")
+            self.target = load_frozen_target(self, self.target_path, 8, "float32", "dequantized")
 
     def state_dict(self, *args, **kwargs):
         state = super().state_dict(*args, **kwargs)
