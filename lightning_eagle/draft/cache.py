@@ -8,6 +8,9 @@ first step and must stay the same for every later step (§4.3 forbids any per-st
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+from typing import Any
+
 import torch
 
 from lightning_eagle.ops.mla import causal_additive_mask
@@ -21,7 +24,8 @@ class TTTCache:
         self.values: list[torch.Tensor] = []
         self.attention_mask: torch.Tensor | None = None  # [B,T] {0,1}, bound on the first step
         self._bound = False
-        self._additive: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        # Masks derived from the bound mask (additive, boolean, a backend's block mask), built once per batch.
+        self._masks: dict[Hashable, Any] = {}
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -31,7 +35,7 @@ class TTTCache:
         (activation checkpointing) appends to instead of this one."""
         other = TTTCache()
         other.keys, other.values = list(keys), list(values)
-        other.attention_mask, other._bound, other._additive = self.attention_mask, self._bound, self._additive
+        other.attention_mask, other._bound, other._masks = self.attention_mask, self._bound, self._masks
         return other
 
     def bind_mask(self, attention_mask: torch.Tensor | None) -> None:
@@ -58,11 +62,24 @@ class TTTCache:
         self.values.append(value)
         return len(self.keys) - 1
 
+    def derived_mask(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """A mask derived from the bound padding mask, built by ``build()`` on first use and kept for the whole
+        unroll (shared with :meth:`replay`s). ``key`` names what is built (backend, shape, dtype, device)."""
+        if key not in self._masks:
+            self._masks[key] = build()
+        return self._masks[key]
+
     def additive_mask(self, T: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``[B|1,1,T,T]`` additive causal ∧ key-not-pad mask (``finfo.min`` where disallowed), built once per dtype."""
-        key = (dtype, torch.device(device))
-        mask = self._additive.get(key)
-        if mask is None:
-            mask = causal_additive_mask(self.attention_mask, T, dtype=dtype, device=device)
-            self._additive[key] = mask
-        return mask
+        return self.derived_mask(
+            ("additive", T, dtype, torch.device(device)),
+            lambda: causal_additive_mask(self.attention_mask, T, dtype=dtype, device=device),
+        )
+
+    def allowed_mask(self, T: int, device: torch.device) -> torch.Tensor:
+        """The same rule as a boolean ``[B|1,1,T,T]`` (True = may attend); every row allows key 0."""
+        # Derived from the additive mask's own rule (one definition); the fp32 intermediate is not kept.
+        return self.derived_mask(
+            ("allowed", T, torch.device(device)),
+            lambda: causal_additive_mask(self.attention_mask, T, dtype=torch.float32, device=device) == 0,
+        )

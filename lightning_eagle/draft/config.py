@@ -1,5 +1,14 @@
 """Configuration of the K3 EAGLE-3 draft (`eagle3_training.md` §3).
 
+Two layer architectures share the EAGLE-3 frame (``fc`` / ``fc_norm`` / embeddings / ``norm`` / ``lm_head`` /
+``d2t``·``t2d``, the TTT cache and its attention backends):
+
+* ``"k3"`` (default) — K3-faithful: NoPE MLA with an unrotated rope slice and a sigmoid output gate, SiTU MLP,
+  K3 RMSNorm. No serving engine runs it (export architecture ``Eagle3KimiK3ForCausalLM``, §14.2).
+* ``"deepseek_mla"`` — what the served K3 drafts are: one DeepSeek-V3 MLA layer (interleaved RoPE, optional DeepSeek
+  YaRN), SwiGLU (``silu``), plain RMSNorm, no gate; exported as ``Eagle3DeepseekV2ForCausalLM``, which SGLang and
+  vLLM load (:mod:`lightning_eagle.draft.deepseek_mla`, :mod:`lightning_eagle.draft.serving_format`).
+
 The draft's dimensions are explicit fields that default to the target's text config (the reference builds the draft
 from the target config). This is a plain dataclass, not a ``PretrainedConfig``: ``KimiK3TextConfig`` validates the
 *target's* rules and would reject a draft override before the draft could name its own problem, and parsing a draft
@@ -20,6 +29,8 @@ NUM_AUX_HIDDEN_STATES = 3  # EAGLE-3 taps three target layers (fixed)
 DEFAULT_DRAFT_VOCAB_SIZE = 32000
 DEFAULT_TTT_STEPS, DEFAULT_STEP_DECAY = 7, 0.8  # K and the step-weight decay: the module and the config share them
 AUX_STREAMS = ("prefix", "mixed")
+ARCHITECTURES = ("k3", "deepseek_mla")
+DEFAULT_ROPE_THETA = 10000.0  # every engine's default base (vLLM's Eagle3 head falls back to it, see serving_format)
 
 # Fields a draft takes over from the target text config unless overridden.
 FIELDS_FROM_TARGET = (
@@ -44,6 +55,15 @@ FIELDS_FROM_TARGET = (
     "pad_token_id",
 )
 
+# Fields that describe the K3 layer; a deepseek_mla draft does not take them from the (K3) target but uses these.
+DEEPSEEK_MLA_LAYER_VALUES = {
+    "hidden_act": "silu",
+    "mla_use_nope": False,
+    "mla_use_output_gate": False,
+    "activation_situ_beta": None,
+    "activation_situ_linear_beta": None,
+}
+
 
 @dataclass
 class Eagle3DraftConfig:
@@ -52,6 +72,12 @@ class Eagle3DraftConfig:
     ``vocab_size`` is the *target* vocabulary V; ``draft_vocab_size`` is N_d (``None`` → V, the identity map).
     ``aux_layer_ids`` / ``aux_hidden_state_stream`` record which target features the draft was trained on; they are
     ``None`` for a draft imported from a reference export that does not say.
+
+    ``architecture`` picks the decoder layer (``"k3"`` or ``"deepseek_mla"``, module docstring). ``rope_theta``,
+    ``rope_scaling`` (DeepSeek YaRN or null) and ``max_position_embeddings`` (the engine's rotary table length;
+    None = the target's) apply to ``deepseek_mla`` only; the K3 draft is NoPE. A ``deepseek_mla`` draft has
+    ``hidden_act="silu"``, ``mla_use_nope=False`` and ``mla_use_output_gate=False``
+    (:meth:`from_target_config` sets them).
     """
 
     hidden_size: int = 7168
@@ -84,6 +110,10 @@ class Eagle3DraftConfig:
     eos_token_id: int | None = 163586
     pad_token_id: int | None = 163839
     num_aux_hidden_states: int = field(default=NUM_AUX_HIDDEN_STATES)
+    architecture: str = "k3"
+    rope_theta: float = DEFAULT_ROPE_THETA
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -94,6 +124,10 @@ class Eagle3DraftConfig:
             self.draft_vocab_size = self.vocab_size  # identity map (§9): the buffers are still written
         if self.aux_layer_ids is not None:
             self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+        if self.architecture == "deepseek_mla" and self.rope_scaling is not None:
+            from lightning_eagle.ops.rotary import normalize_rope_scaling
+
+            self.rope_scaling = normalize_rope_scaling(self.rope_scaling)  # every key explicit (and validated)
         self.validate()
 
     # ---- derived ----------------------------------------------------------------------------------------------------
@@ -108,18 +142,17 @@ class Eagle3DraftConfig:
     # ---- validation -------------------------------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ``ValueError`` for a draft this library cannot build (§3.6 messages first)."""
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
         if self.num_key_value_heads != self.num_attention_heads:
             raise ValueError(
                 f"the K3 draft's MLA has one K/V head per query head (no GQA): num_key_value_heads "
                 f"({self.num_key_value_heads}) must equal num_attention_heads ({self.num_attention_heads})"
             )
-        if not self.mla_use_nope:
-            raise ValueError(
-                "the K3 draft requires mla_use_nope=True: its MLA never rotates the rope slice, there is no rotary "
-                "module and position ids are ignored"
-            )
-        if self.hidden_act != "situ":
-            raise ValueError(f"the K3 draft's MLP is SiTU; hidden_act must be 'situ', got {self.hidden_act!r}")
+        if self.architecture == "k3":
+            self._validate_k3_layer()
+        else:
+            self._validate_deepseek_mla_layer()
         for name in (
             "hidden_size",
             "num_attention_heads",
@@ -152,6 +185,44 @@ class Eagle3DraftConfig:
         if self.aux_layer_ids is not None:
             validate_taps(self.aux_layer_ids, self.target_num_hidden_layers, count=NUM_AUX_HIDDEN_STATES)
 
+    def _validate_k3_layer(self) -> None:
+        served = "; a rotary SwiGLU draft that SGLang/vLLM serve is architecture='deepseek_mla'"
+        if not self.mla_use_nope:
+            raise ValueError(
+                "the K3 draft requires mla_use_nope=True: its MLA never rotates the rope slice, there is no rotary "
+                "module and position ids are ignored" + served
+            )
+        if self.hidden_act != "situ":
+            raise ValueError(f"the K3 draft's MLP is SiTU; hidden_act must be 'situ', got {self.hidden_act!r}" + served)
+        if self.rope_scaling is not None:
+            raise ValueError("rope_scaling applies to architecture='deepseek_mla' only: the K3 draft is NoPE")
+
+    def _validate_deepseek_mla_layer(self) -> None:
+        # Each rule is a property of the engines' Eagle3DeepseekV2ForCausalLM (SGLang kimi_k25_eagle3.py, vLLM
+        # deepseek_eagle3.py): a draft they cannot run the same way is refused before it is trained.
+        what = "architecture='deepseek_mla' (served as Eagle3DeepseekV2ForCausalLM)"
+        if self.hidden_act != "silu":
+            raise ValueError(f"{what} has a SwiGLU MLP: hidden_act must be 'silu', got {self.hidden_act!r}")
+        if self.mla_use_nope or self.mla_use_output_gate:
+            raise ValueError(
+                f"{what} rotates the rope slice and has no output gate: mla_use_nope and mla_use_output_gate must be "
+                f"false, got {self.mla_use_nope} / {self.mla_use_output_gate}"
+            )
+        if self.q_lora_rank is None:
+            raise ValueError(f"{what} needs a Q-LoRA (q_lora_rank): SGLang's Eagle3 MLA layer refuses q_proj")
+        if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2:
+            raise ValueError(f"{what} rotates pairs: qk_rope_head_dim must be a positive even int")
+        if self.fc_norm or self.norm_output:
+            raise ValueError(
+                f"{what}: the engines' head has no fc_norm weights and feeds the pre-norm hidden to the next step, so "
+                "fc_norm and norm_output must be false (an engine would skip fc_norm.* and serve another function)"
+            )
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 1:
+            raise ValueError(f"rope_theta must be a number > 1, got {self.rope_theta!r}")
+        mpe = self.max_position_embeddings
+        if mpe is not None and (isinstance(mpe, bool) or not isinstance(mpe, int) or mpe < 1):
+            raise ValueError(f"max_position_embeddings must be a positive int or null, got {mpe!r}")
+
     # ---- construction -----------------------------------------------------------------------------------------------
     @classmethod
     def from_target_config(cls, target_config: Any, **overrides: Any) -> Eagle3DraftConfig:
@@ -159,7 +230,9 @@ class Eagle3DraftConfig:
         attribute names); ``overrides`` set draft fields explicitly.
 
         Defaults: N_d = 32000 (identity map when V ≤ 32000), aux ids = the target's ``[1, L//2-1, L-4]`` (tiny targets
-        whose default ids collide must pass ``aux_layer_ids``), stream ``"prefix"``.
+        whose default ids collide must pass ``aux_layer_ids``), stream ``"prefix"``. With
+        ``architecture="deepseek_mla"`` the K3-layer fields (SiTU, NoPE, gate) are replaced by
+        :data:`DEEPSEEK_MLA_LAYER_VALUES` and ``max_position_embeddings`` defaults to the target's.
         """
         text = getattr(target_config, "text_config", None) or target_config
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
@@ -180,6 +253,9 @@ class Eagle3DraftConfig:
         if "aux_layer_ids" not in overrides and num_layers is not None:
             values["aux_layer_ids"] = resolve_default_aux_layer_ids(num_layers)
         values["aux_hidden_state_stream"] = "prefix"
+        if overrides.get("architecture") == "deepseek_mla":
+            values.update(DEEPSEEK_MLA_LAYER_VALUES)
+            values["max_position_embeddings"] = getattr(text, "max_position_embeddings", None)
         if "num_attention_heads" in overrides and "num_key_value_heads" not in overrides:
             values["num_key_value_heads"] = None  # MLA: K/V heads follow the (overridden) query heads
         values.update(overrides)

@@ -1,5 +1,11 @@
 """Write a draft in the serving layout (`eagle3_training.md` §14): ``config.json`` + ``model.safetensors``.
 
+The format follows the draft's architecture (:mod:`lightning_eagle.draft.serving_format`): a K3-faithful draft is
+written as ``Eagle3KimiK3ForCausalLM`` (no engine serves it; engine names are refused), a ``deepseek_mla`` draft as
+``Eagle3DeepseekV2ForCausalLM`` in exactly the layout SGLang and vLLM load (bf16 by default, ``layers.0.*``,
+one-based aux ids). The engines feed that draft the target's *prefix* aux stream, so only a draft trained on
+``aux_stream: prefix`` is exported in the engine format.
+
 Sources: a :class:`KimiK3Eagle3Draft`, anything with a ``.draft`` attribute (the Lightning module), a ``torch.save``'d
 checkpoint file (``{"state_dict": {"draft.…": …}, CHECKPOINT_CONFIG_KEY: config dict, …}``), or a DCP checkpoint
 folder (converted single-process with ``dcp_to_torch_save``, the way ``lightning_notes.md`` §7 verified). The write is
@@ -38,15 +44,19 @@ def export_draft(
     include_embeddings: bool | None = None,
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
+    architecture: str | None = None,
 ) -> Path:
     """Export ``source`` to ``out_dir`` and return the folder.
 
     ``include_embeddings=None`` writes ``embed_tokens.weight`` only when the embedding was trained
     (``config.freeze_embeddings`` false): a frozen copy equals the target's, which engines share. ``aux_layer_ids`` /
     ``aux_hidden_state_stream`` override the config's record (required when the config has none). ``dtype`` casts the
-    floating tensors (e.g. ``torch.bfloat16``); ``d2t``/``t2d`` keep int64/bool.
+    floating tensors (e.g. ``torch.bfloat16``; None = as trained for the K3 format, bf16 for the engine format, the
+    dtype engines serve drafts in); ``d2t``/``t2d`` keep int64/bool. ``architecture`` (None = the draft's own) is
+    checked, never rewritten: asking for an engine name with a K3-faithful draft raises ``ValueError``.
     """
     state, config = _resolve_source(source, config)
+    fmt.check_architecture_name(config, architecture)
     changes = {}
     if aux_layer_ids is not None:
         changes["aux_layer_ids"] = list(aux_layer_ids)
@@ -60,12 +70,14 @@ def export_draft(
         include_embeddings = not config.freeze_embeddings
     if not include_embeddings:
         state.pop("embed_tokens.weight", None)
+    if dtype is None and config.architecture == "deepseek_mla":
+        dtype = torch.bfloat16
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     torch_dtype = fmt.check_state(state, config, include_embeddings)
     config_json = fmt.config_to_json(config, torch_dtype)
     # safetensors refuses shared / non-contiguous storage; a detached contiguous CPU copy of each tensor is safe.
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in fmt.to_serving_names(state, config).items()}
     return _atomic_write(Path(out_dir), tensors, config_json, overwrite)
 
 

@@ -1,14 +1,17 @@
 """The K3 EAGLE-3 draft (`eagle3_training.md` §3): ``fc`` over the three aux states, one fused decoder layer over
 ``[input_layernorm(embed), hidden_norm(h)]`` (2H) with NoPE gated MLA and a SiTU MLP, a final norm and an
-``lm_head`` over the draft vocabulary, plus the ``d2t``/``t2d`` vocab-map buffers.
+``lm_head`` over the draft vocabulary, plus the ``d2t``/``t2d`` vocab-map buffers. The same frame with a DeepSeek MLA
+layer (``architecture="deepseek_mla"``) lives in :mod:`lightning_eagle.draft.deepseek_mla`.
 
 Module names are the serving layout of §14 (``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``embed_tokens``), so the
-draft's ``state_dict`` *is* the export key set (with ``embed_tokens`` optional).
+draft's ``state_dict`` *is* the export key set (with ``embed_tokens`` optional; the engine format of a deepseek_mla
+draft names the layer ``layers.0.``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -20,9 +23,77 @@ from lightning_eagle.ops.mla import NoPEMLA
 from lightning_eagle.ops.norm import K3RMSNorm
 from lightning_eagle.ops.situ import SituMLP
 
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-class KimiK3Eagle3Layer(nn.Module):
-    """The fused first layer: residual = the carried hidden ``h``; attention reads the 2H ``combined`` input."""
+
+class Eagle3DecoderLayer(nn.Module):
+    """The EAGLE-3 fused first layer, whatever its attention and MLP::
+
+        combined = [input_layernorm(embed) ‖ hidden_norm(h)]        # 2H, embeddings first
+        h = h + attention(combined)                                 # residual = the carried hidden h
+        h = h + mlp(post_attention_layernorm(h))
+
+    Subclasses build the modules and say how attention projects (:meth:`qkv`, positions included), how its output
+    leaves (:meth:`attention_output`) and its softmax :attr:`scale`; the attention *core* is a parameter
+    (:meth:`run` takes ``attend(q, k, v) -> o``), so the TTT cache (:meth:`forward`) and incremental inference
+    (``inference.draft_runner``) share every other op.
+    """
+
+    input_layernorm: nn.Module
+    hidden_norm: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+    def combine(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``[input_layernorm(embed) ‖ hidden_norm(h)]`` — embeddings first."""
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def qkv(
+        self, combined: torch.Tensor, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``combined [B,T,2H]`` → ``q, k [B,n,T,d_qk]``, ``v [B,n,T,d_v]`` (keys as they are cached)."""
+        raise NotImplementedError
+
+    def attention_output(self, o: torch.Tensor, combined: torch.Tensor) -> torch.Tensor:
+        """``o [B,T,n·d_v]`` → ``[B,T,H]``."""
+        raise NotImplementedError
+
+    @property
+    def scale(self) -> float:
+        """The attention softmax scale."""
+        return self.self_attn.scale
+
+    def run(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, attend: Attend, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One step with the attention core ``attend(q, k, v) -> o [B,n,T,d_v]``; returns the new (raw) hidden."""
+        combined = self.combine(embeds, hidden)
+        q, k, v = self.qkv(combined, positions)
+        o = attend(q, k, v)
+        B, n, T, d_v = o.shape
+        h = hidden + self.attention_output(o.transpose(1, 2).reshape(B, T, n * d_v), combined)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cache: TTTCache,
+        backend: str,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One TTT step: this step's K/V are appended to ``cache``, the queries attend over it (§4.2)."""
+        ttt_attention = get_ttt_attention(backend)
+
+        def attend(q, k, v):
+            cache.append(k, v)
+            return ttt_attention(q, cache, self.scale)
+
+        return self.run(embeds, hidden, attend, positions)
+
+
+class KimiK3Eagle3Layer(Eagle3DecoderLayer):
+    """The K3-faithful layer: NoPE gated MLA over the 2H input and a SiTU MLP (§3.3–3.5). Positions are ignored."""
 
     def __init__(self, config: Eagle3DraftConfig) -> None:
         super().__init__()
@@ -34,22 +105,20 @@ class KimiK3Eagle3Layer(nn.Module):
         self.post_attention_layernorm = K3RMSNorm(H, eps=eps)
         self.mlp = SituMLP(H, config.intermediate_size, config.activation_situ_beta, config.activation_situ_linear_beta)
 
-    def combine(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """``[input_layernorm(embed) ‖ hidden_norm(h)]`` — embeddings first."""
-        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+    def qkv(self, combined, positions=None):
+        del positions  # NoPE: bit-identical whatever the positions (§3.4)
+        return self.self_attn.project(combined)
+
+    def attention_output(self, o, combined):
+        return self.self_attn.gate_output(o, combined)
 
     def attention(self, combined: torch.Tensor, cache: TTTCache, backend: str) -> torch.Tensor:
-        """Project, append this step's K/V to the cache, attend over the cache, gate and project out."""
-        attn = self.self_attn
-        q, k, v = attn.project(combined)
+        """Project, append this step's K/V to the cache, attend over it, gate and project out (``[B,T,H]``)."""
+        q, k, v = self.qkv(combined)
         cache.append(k, v)
-        o = get_ttt_attention(backend)(q, cache, attn.scale)  # [B,n,T,d_v]
+        o = get_ttt_attention(backend)(q, cache, self.scale)  # [B,n,T,d_v]
         B, n, T, d_v = o.shape
-        return attn.gate_output(o.transpose(1, 2).reshape(B, T, n * d_v), combined)
-
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cache: TTTCache, backend: str) -> torch.Tensor:
-        h = hidden + self.attention(self.combine(embeds, hidden), cache, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.attention_output(o.transpose(1, 2).reshape(B, T, n * d_v), combined)
 
 
 class KimiK3Eagle3Draft(nn.Module):
@@ -58,11 +127,30 @@ class KimiK3Eagle3Draft(nn.Module):
 
     One TTT step: ``h = draft.layer(ids, h, attention_mask, cache)``; ``z = draft.logits(h)``; the unroll lives in
     :func:`lightning_eagle.training.ttt_loss`.
+
+    ``KimiK3Eagle3Draft(config)`` builds the draft ``config.architecture`` names: the K3-faithful layer here, or a
+    :class:`~lightning_eagle.draft.deepseek_mla.DeepseekMLAEagle3Draft` (a subclass) for ``"deepseek_mla"``, so
+    every caller that builds the draft from a config (training module, checkpoint restore, ``from_pretrained``)
+    gets the right one. Subclasses set :attr:`architecture`, :attr:`layer_class` and :attr:`norm_class`.
     """
+
+    architecture = "k3"
+    layer_class: type[Eagle3DecoderLayer] = KimiK3Eagle3Layer
+    norm_class: type[nn.Module] = K3RMSNorm
+
+    def __new__(cls, config: Eagle3DraftConfig | None = None, *args, **kwargs):
+        if cls is KimiK3Eagle3Draft and config is not None and config.architecture != cls.architecture:
+            cls = draft_class(config.architecture)
+        return super().__new__(cls)
 
     def __init__(self, config: Eagle3DraftConfig, attention_backend: str = "eager") -> None:
         super().__init__()
         config.validate()  # §3.6: the draft constructor refuses GQA / non-NoPE even for a hand-edited config
+        if config.architecture != self.architecture:
+            raise ValueError(
+                f"{type(self).__name__} builds architecture={self.architecture!r}, the config says "
+                f"{config.architecture!r}; build KimiK3Eagle3Draft(config) to get the matching class"
+            )
         self.config = config
         H, V, N_d = config.hidden_size, config.vocab_size, config.draft_vocab_size
         weight = torch.empty(V, H)
@@ -73,12 +161,12 @@ class KimiK3Eagle3Draft(nn.Module):
         if config.fc_norm:
             self.fc_norm = nn.ModuleList(
                 [
-                    K3RMSNorm(config.target_hidden_size, eps=config.rms_norm_eps)
+                    self.norm_class(config.target_hidden_size, eps=config.rms_norm_eps)
                     for _ in range(config.num_aux_hidden_states)
                 ]
             )
-        self.midlayer = KimiK3Eagle3Layer(config)
-        self.norm = K3RMSNorm(H, eps=config.rms_norm_eps)
+        self.midlayer = self.layer_class(config)
+        self.norm = self.norm_class(H, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(H, N_d, bias=False)
         # Default map: the first N_d target ids (identity when N_d == V); the vocab-map builder sets the real one.
         self.register_buffer("d2t", torch.zeros(N_d, dtype=torch.long), persistent=True)
@@ -120,10 +208,11 @@ class KimiK3Eagle3Draft(nn.Module):
     ) -> torch.Tensor:
         """One TTT step: appends this step's K/V to ``cache`` and returns the new (unshifted) hidden ``[B,T,H]``.
 
-        ``position_ids`` are accepted and ignored: the draft is NoPE (§3.4). ``attention_mask`` is the ``[B,T]``
-        right-padding mask, constant over the unroll (the cache refuses a change).
+        ``position_ids`` (``[B,T]`` or ``[T]``): the absolute positions of this step's queries and keys; the K3 layer
+        ignores them (NoPE, §3.4), a rotary layer defaults them to the TTT convention ``t + len(cache)``
+        (:meth:`step_positions`). ``attention_mask`` is the ``[B,T]`` right-padding mask, constant over the unroll
+        (the cache refuses a change).
         """
-        del position_ids
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError(
                 f"{type(self).__name__} does not support sequence packing: attention_mask must be the [B,T] padding "
@@ -131,10 +220,30 @@ class KimiK3Eagle3Draft(nn.Module):
             )
         cache.bind_mask(attention_mask)
         embeds = self.embed(input_ids).to(hidden.dtype)
-        h = self.midlayer(embeds, hidden, cache, self.attention_backend)
-        return self.norm(h) if self.config.norm_output else h
+        positions = self.step_positions(input_ids, len(cache), position_ids)
+        h = self.midlayer(embeds, hidden, cache, self.attention_backend, positions)
+        return self.output_hidden(h)
 
     forward = layer
+
+    def step_positions(
+        self, input_ids: torch.Tensor, step: int, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The rotary positions of TTT step ``step``; None for the NoPE K3 layer (it has no use for them)."""
+        del input_ids, step
+        return position_ids
+
+    def step_with(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, attend: Attend, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One draft step with a caller-supplied attention core ``attend(q, k, v) -> o`` (incremental inference):
+        the same ops as :meth:`layer` except the cache."""
+        embeds = self.embed(input_ids).to(hidden.dtype)
+        return self.output_hidden(self.midlayer.run(embeds, hidden, attend, positions))
+
+    def output_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """What the next step receives: ``h``, or ``norm(h)`` with ``norm_output``."""
+        return self.norm(h) if self.config.norm_output else h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(norm(h))`` over the draft vocabulary (``lm_head(h)`` with ``norm_output``)."""
@@ -189,6 +298,17 @@ class KimiK3Eagle3Draft(nn.Module):
         return load_pretrained(
             path, target_embedding=target_embedding, dtype=dtype, device=device, attention_backend=attention_backend
         )
+
+
+def draft_class(architecture: str) -> type[KimiK3Eagle3Draft]:
+    """The draft class of ``architecture`` (``"k3"`` or ``"deepseek_mla"``)."""
+    if architecture == "k3":
+        return KimiK3Eagle3Draft
+    if architecture == "deepseek_mla":
+        from lightning_eagle.draft.deepseek_mla import DeepseekMLAEagle3Draft  # imports this module
+
+        return DeepseekMLAEagle3Draft
+    raise ValueError(f"unknown draft architecture {architecture!r}; choose 'k3' or 'deepseek_mla'")
 
 
 def validate_selected_token_ids(selected: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> None:

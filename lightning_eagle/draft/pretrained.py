@@ -1,4 +1,6 @@
-"""Load a draft folder: our serving export (``midlayer.*``) or a NeMo Automodel export (``model.layers.0.*``).
+"""Load a draft folder: our serving export (``midlayer.*``), its engine format for ``deepseek_mla`` drafts
+(``Eagle3DeepseekV2ForCausalLM``: ``layers.0.*``, also the public drafts of that format), or a NeMo Automodel export
+(``model.layers.0.*``).
 
 Both single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``) folders are read. After the
 layout adapter, the state must pass the same strict key/shape/dtype check the exporter applies, then it is assigned to
@@ -68,7 +70,8 @@ def load_pretrained(
     device: str | torch.device = "cpu",
     attention_backend: str = "eager",
 ) -> KimiK3Eagle3Draft:
-    """Build a :class:`KimiK3Eagle3Draft` from ``path``.
+    """Build a :class:`KimiK3Eagle3Draft` from ``path`` (the class ``config.json`` names: a ``deepseek_mla`` export
+    gives a :class:`~lightning_eagle.draft.deepseek_mla.DeepseekMLAEagle3Draft`).
 
     Tensors keep their stored dtype unless ``dtype`` is given. An export without ``embed_tokens.weight`` (frozen
     embedding omitted, §14.1) needs the target's: pass ``target_embedding`` or call ``copy_embeddings_from`` later.
@@ -90,7 +93,9 @@ def load_pretrained(
     state = read_weights(folder)
     weights = weights_source(folder)
     try:
-        if reference_import.is_reference_layout(state):
+        if fmt.is_engine_layout(config_json):
+            config = fmt.engine_config_from_json(config_json)
+        elif reference_import.is_reference_layout(state):
             config = reference_import.config_from_reference(config_json)
         elif any(k.startswith("midlayer.") for k in state):
             config = fmt.config_from_json(config_json)
@@ -100,7 +105,9 @@ def load_pretrained(
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         raise ValueError(message if message.startswith(str(folder)) else f"{config_file}: {message}") from None
     try:
-        if reference_import.is_reference_layout(state):
+        if fmt.is_engine_layout(config_json):
+            state = fmt.engine_state_to_draft(state, config)
+        elif reference_import.is_reference_layout(state):
             state = reference_import.convert_reference_state(state, config)
         has_embeddings = "embed_tokens.weight" in state
         fmt.check_state(state, config, include_embeddings=has_embeddings)

@@ -103,10 +103,23 @@ def convert_reference_state(state: dict[str, torch.Tensor], config: Eagle3DraftC
                 new = repl + new[len(old) :]
                 break
         out[new] = value
+    return sort_vocabulary(out, config)
+
+
+def sort_vocabulary(state: dict[str, torch.Tensor], config: Eagle3DraftConfig) -> dict[str, torch.Tensor]:
+    """Our vocabulary order on a foreign state (this import's and the engine format's): ``d2t``/``t2d`` added for an
+    identity vocabulary that omits them, a missing ``t2d`` rebuilt from ``d2t`` (engines ignore it), and the draft
+    vocabulary sorted ascending (``lm_head`` rows and ``d2t`` permuted together, §9)."""
+    out = dict(state)
     if "d2t" not in out and "t2d" not in out and not config.has_vocab_compression:
         # The reference writes the buffers only with a compressed vocabulary; ours are always present (§9).
         out["d2t"] = torch.zeros(config.vocab_size, dtype=torch.long)
         out["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
+    if "d2t" in out and "t2d" not in out:
+        selected = torch.arange(out["d2t"].numel()) + out["d2t"].cpu().to(torch.long)
+        if selected.numel() and (selected.min() < 0 or selected.max() >= config.vocab_size):
+            raise ValueError("d2t maps draft ids outside the target vocabulary")
+        out["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, selected, True)
     if "d2t" in out and "t2d" in out and "lm_head.weight" in out:
         perm = reference_vocab_permutation(out["d2t"].cpu(), out["t2d"].cpu().to(torch.bool))
         selected = torch.arange(perm.numel()) + out["d2t"].cpu().to(torch.long)

@@ -10,13 +10,26 @@ Backends (a small registry; all take ``(q [B,n,T,d_qk], cache, scale)`` and retu
   through the log-sum-exp inside a custom ``autograd.Function`` whose backward feeds the merged output and LSE to the
   block kernel's backward (the gradient trap of §8). Step 0 is the same function with no diagonal columns, i.e. plain
   causal attention.
+* ``"sdpa_mask"`` — one ``F.scaled_dot_product_attention`` call over the concatenated keys ``[K_0 ; K_1 ; … ; K_k]``
+  (length ``T·(k+1)``) with a boolean ``[B|1,1,T,T·(k+1)]`` mask: fused on CUDA (memory-efficient kernel), torch's
+  math path on CPU (there it materialises ``[B,n,T,T·(k+1)]`` scores; it is the CPU *training* check of the layout).
+* ``"flex_attention"`` — the same concatenated keys through compiled ``flex_attention`` with a block mask: fully masked
+  128×128 tiles are skipped, so step k costs about one causal block plus k diagonal tiles per query tile. CUDA is its
+  home; torch 2.13 has no flex backward on CPU, so on CPU it runs forward-only (unfused) and refuses gradients.
+* ``"auto"`` — resolves per call from ``q.device`` through :func:`default_ttt_attention`.
+
+Per-device rule (:func:`default_ttt_attention`): CUDA → ``flex_attention`` when Triton can compile it, else
+``sdpa_mask``; any other device → ``flash_lse`` (the fused CPU flash kernel on CPU).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from lightning_eagle.draft.block_attention import accumulate_dtype, default_kernel
 from lightning_eagle.draft.cache import TTTCache
@@ -120,5 +133,135 @@ def flash_lse_ttt_attention(q: torch.Tensor, cache: TTTCache, scale: float, kern
     return _LSEMergedTTTAttention.apply(q, cache.keys[0], cache.values[0], mask, scale, kernel, len(cache) - 1, *later)
 
 
+# ---- concatenated keys: sdpa_mask and flex_attention ---------------------------------------------------------------
+def concatenated_kv(cache: TTTCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[K_0 ; K_1 ; … ; K_k]`` and ``[V_0 ; … ; V_k]`` along the key axis: ``[B,n,T·(k+1),d]``.
+
+    Key ``j`` of step ``i`` sits at index ``i·T + j``. The copy is O(k·T) per step and the attention op saves it for
+    backward, so over a K-step unroll these backends keep ``K(K+1)/2`` key/value blocks (flash_lse keeps ``K``)."""
+    if len(cache) == 1:
+        return cache.keys[0], cache.values[0]
+    return torch.cat(cache.keys, dim=-2), torch.cat(cache.values, dim=-2)
+
+
+def ttt_boolean_mask(cache: TTTCache, T: int, device: torch.device) -> torch.Tensor:
+    """``[B|1,1,T,T·(k+1)]`` bool over the concatenated keys: the causal ∧ key-not-pad block over ``K_0`` (every row
+    allows key 0) followed by one identity block per later step (slot t sees its own key of that step)."""
+    block = cache.allowed_mask(T, device)
+    steps = len(cache) - 1
+    if not steps:
+        return block
+    eye = torch.eye(T, dtype=torch.bool, device=device).expand(*block.shape[:2], T, T)
+    return torch.cat([block, *[eye] * steps], dim=-1)
+
+
+def sdpa_mask_ttt_attention(q: torch.Tensor, cache: TTTCache, scale: float) -> torch.Tensor:
+    """One SDPA call over the concatenated keys with the boolean TTT mask (d_v may differ from d_qk).
+
+    Memory: the mask is ``B·T·T·(k+1)`` bytes (heads broadcast; 134 MB per row at T = 4096, k = 7), which the CUDA
+    memory-efficient kernel turns into an additive bias of the same shape in q's dtype; no ``[B,n,T,T·(k+1)]`` tensor
+    on CUDA. Where SDPA falls back to its math path (CPU with d_qk ≠ d_v, fp64) the scores are materialised."""
+    keys, values = concatenated_kv(cache)
+    mask = ttt_boolean_mask(cache, q.shape[-2], q.device)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+
+def ttt_mask_mod(attention_mask: torch.Tensor | None, T: int, device: torch.device | str = "cpu"):
+    """flex ``mask_mod(b, h, q, kv)`` of the TTT row over the concatenated keys (the rule of :func:`ttt_boolean_mask`):
+
+    * ``kv < T`` (step-0 block): ``kv ≤ q`` ∧ key ``kv`` not padding; a padding query row allows key 0 only;
+    * ``kv ≥ T`` (later steps): ``kv mod T = q`` — the query's own slot in each later step.
+
+    Indices into the ``[B,T]`` padding mask use ``kv mod T`` so that no index is ever out of range (the tile
+    evaluation visits every kv of a partially masked tile). ``T`` is captured as a 0-dim tensor on ``device``, not as
+    a Python int: the compiled kernel then takes it as an input instead of specialising (and recompiling) on every
+    sequence length."""
+    keep = None if attention_mask is None else attention_mask.to(device=device, dtype=torch.bool)
+    length = torch.tensor(T, device=device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        slot = kv_idx % length
+        later = (kv_idx >= length) & (slot == q_idx)
+        causal = (kv_idx < length) & (slot <= q_idx)
+        if keep is None:
+            return causal | later
+        block = torch.where(keep[b, q_idx], causal & keep[b, slot], kv_idx == 0)
+        return block | later
+
+    return mask_mod
+
+
+def ttt_block_mask(cache: TTTCache, T: int, device: torch.device) -> BlockMask:
+    """The flex block mask of this step (KV length ``T·(k+1)``), built once per batch and step count.
+
+    ``create_block_mask`` evaluates ``mask_mod`` densely (``B·T·T·(k+1)`` elements, a few int64/bool intermediates of
+    that size: ~1 GB each per row at T = 4096, k = 7, transient, once per batch and step); the kept BlockMask holds only
+    128×128-tile indices."""
+    attention_mask = cache.attention_mask
+    kv_len = T * len(cache)
+
+    def build() -> BlockMask:
+        batch = None if attention_mask is None else attention_mask.shape[0]
+        return create_block_mask(ttt_mask_mod(attention_mask, T, device), batch, None, T, kv_len, device=device)
+
+    return cache.derived_mask(("flex_block_mask", T, kv_len, torch.device(device)), build)
+
+
+def flex_attention_available(device: torch.device | str) -> bool:
+    """Whether the fused flex kernel (forward *and* backward) can run here: a CUDA device with Triton."""
+    if torch.device(device).type != "cuda":
+        return False
+    from torch.utils._triton import has_triton
+
+    return has_triton()
+
+
+@functools.cache
+def _compiled_flex_attention():
+    # flex_attention is only fused under torch.compile; eager flex materialises the scores. The KV length changes with
+    # the step (and T with the batch): the default automatic-dynamic compile recompiles once with a dynamic length
+    # instead of once per shape (a per-shape compile would hit the recompile limit and silently fall back to eager).
+    return torch.compile(flex_attention)
+
+
+FLEX_CPU_REFUSAL = (
+    "the flex_attention TTT backend has no backward on CPU (torch 2.13 raises for flex_attention with inputs that "
+    "require grad on CPU); train on CPU with 'sdpa_mask', 'flash_lse' or 'auto', or run flex under torch.no_grad()"
+)
+
+
+def flex_ttt_attention(q: torch.Tensor, cache: TTTCache, scale: float) -> torch.Tensor:
+    """flex_attention over the concatenated keys with :func:`ttt_block_mask` (d_v may differ from d_qk).
+
+    CUDA: the compiled (Triton) kernel, forward and backward. CPU: forward only, unfused (checks and inference);
+    a call that would need gradients is refused with :data:`FLEX_CPU_REFUSAL` before any work."""
+    on_cuda = q.device.type == "cuda"
+    if not on_cuda and torch.is_grad_enabled() and any(t.requires_grad for t in (q, *cache.keys, *cache.values)):
+        raise NotImplementedError(FLEX_CPU_REFUSAL)
+    keys, values = concatenated_kv(cache)
+    block_mask = ttt_block_mask(cache, q.shape[-2], q.device)
+    if on_cuda:
+        return _compiled_flex_attention()(q, keys, values, block_mask=block_mask, scale=scale)
+    # No graph is recorded here, but flex's CPU check looks at requires_grad even under no_grad: pass detached views.
+    return flex_attention(q.detach(), keys.detach(), values.detach(), block_mask=block_mask, scale=scale)
+
+
+# ---- per-device choice -------------------------------------------------------------------------------------------
+def default_ttt_attention(device: torch.device | str) -> str:
+    """The backend ``"auto"`` runs on ``device``: CUDA → ``flex_attention`` (compiled) when Triton is there, else
+    ``sdpa_mask``; CPU and anything else → ``flash_lse`` (no flex backward on CPU; the fused CPU flash kernel)."""
+    if torch.device(device).type == "cuda":
+        return "flex_attention" if flex_attention_available(device) else "sdpa_mask"
+    return "flash_lse"
+
+
+def auto_ttt_attention(q: torch.Tensor, cache: TTTCache, scale: float) -> torch.Tensor:
+    """:func:`default_ttt_attention` of ``q.device``, resolved at call time (one config for CPU tests and GPU runs)."""
+    return get_ttt_attention(default_ttt_attention(q.device))(q, cache, scale)
+
+
 register_ttt_attention("eager", eager_ttt_attention)
 register_ttt_attention("flash_lse", flash_lse_ttt_attention)
+register_ttt_attention("sdpa_mask", sdpa_mask_ttt_attention)
+register_ttt_attention("flex_attention", flex_ttt_attention)
+register_ttt_attention("auto", auto_ttt_attention)

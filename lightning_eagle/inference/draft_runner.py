@@ -13,8 +13,13 @@ of slots ≤ t** plus **this slot's own keys of steps 1..k**. Hence two caches:
 * the *chain* cache — keys/values of steps 1..k of the last slot, private to one :meth:`DraftRunner.propose` call and
   discarded with it (that is the draft's whole rollback: chain entries never enter the context cache).
 
-The layer maths reuse the draft's own modules (``midlayer.combine``, ``self_attn.project``/``gate_output``, the MLP,
-``norm``, ``logits``); only the attention core is replaced by the two-cache form above.
+The layer maths reuse the draft's own modules (``draft.step_with`` → ``midlayer.run``: the same combine, projections,
+MLP and norms as training; ``logits``); only the attention core is replaced by the two-cache form above.
+
+Positions (rotary drafts, ``architecture="deepseek_mla"``; the NoPE K3 draft ignores them): context slot t stands at
+position t (the target position of its aux features, as in the engines' draft-extend pass), and chain step j of the
+last slot n−1 at n−1+j — the TTT convention ``t + k`` (:mod:`lightning_eagle.draft.deepseek_mla`). Keys are cached
+rotated, so a cached key never needs its position again.
 
 Extension point: any object with ``reset()``, ``extend(aux, next_ids)`` and ``propose(num_tokens, temperature,
 generator)`` returning a :class:`DraftProposal` can drive :func:`~lightning_eagle.inference.speculative_generate`
@@ -64,21 +69,15 @@ class Drafter(Protocol):
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def draft_layer_step(draft, input_ids: torch.Tensor, hidden: torch.Tensor, attend: Attend) -> torch.Tensor:
-    """One draft step with a caller-supplied attention core ``attend(q, k, v) -> o [B,n,T,d_v]``.
+def draft_layer_step(
+    draft, input_ids: torch.Tensor, hidden: torch.Tensor, attend: Attend, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One draft step with a caller-supplied attention core ``attend(q, k, v) -> o [B,n,T,d_v]`` at absolute
+    ``positions [T]`` (ignored by the NoPE K3 draft).
 
-    Mirrors ``KimiK3Eagle3Draft.layer`` → ``KimiK3Eagle3Layer.forward`` op for op (the draft tests check it against
-    the training-time TTT unroll)."""
-    layer = draft.midlayer
-    attn = layer.self_attn
-    embeds = draft.embed(input_ids).to(hidden.dtype)
-    combined = layer.combine(embeds, hidden)
-    q, k, v = attn.project(combined)
-    o = attend(q, k, v)
-    B, n, T, d_v = o.shape
-    h = hidden + attn.gate_output(o.transpose(1, 2).reshape(B, T, n * d_v), combined)
-    h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return draft.norm(h) if draft.config.norm_output else h
+    The same ops as ``KimiK3Eagle3Draft.layer`` (both run ``midlayer.run``; the inference tests check it against the
+    training-time TTT unroll for both architectures)."""
+    return draft.step_with(input_ids, hidden, attend, positions)
 
 
 def _softmax_attend(q, keys, values, scale, mask=None) -> torch.Tensor:
@@ -128,7 +127,8 @@ def _all_finite(weight: torch.Tensor, rows: int = 1 << 14) -> bool:
 
 
 class DraftRunner:
-    """Incremental inference for a :class:`~lightning_eagle.draft.KimiK3Eagle3Draft` (batch rows share a length).
+    """Incremental inference for a :class:`~lightning_eagle.draft.KimiK3Eagle3Draft` of either architecture (batch
+    rows share a length).
 
     ``target`` (optional) fills a missing draft embedding (:func:`ensure_draft_embedding`); without it a missing one
     raises."""
@@ -163,7 +163,8 @@ class DraftRunner:
             )
         device = self.draft.fc.weight.device
         hidden = self.draft.project(aux_hidden_states.to(device))
-        scale = self.draft.midlayer.self_attn.scale
+        scale = self.draft.midlayer.scale
+        positions = torch.arange(self.length, self.length + next_ids.shape[1], device=device)  # slot t at t
 
         def attend(q, k, v):
             self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
@@ -174,7 +175,7 @@ class DraftRunner:
             mask = torch.zeros(T, L, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
             return _softmax_attend(q, self.keys, self.values, scale, mask)
 
-        h = draft_layer_step(self.draft, next_ids.to(device), hidden, attend)
+        h = draft_layer_step(self.draft, next_ids.to(device), hidden, attend, positions)
         self.last_hidden = h[:, -1:]
         return h
 
@@ -192,7 +193,8 @@ class DraftRunner:
         if self.last_hidden is None:
             raise RuntimeError("DraftRunner.propose before extend: the draft has no context")
         draft = self.draft
-        scale = draft.midlayer.self_attn.scale
+        scale = draft.midlayer.scale
+        last = self.length - 1  # position of the last slot; chain step j stands at last + j
         selected = draft.selected_token_ids
         chain_k: list[torch.Tensor] = []
         chain_v: list[torch.Tensor] = []
@@ -216,7 +218,8 @@ class DraftRunner:
         tokens, draft_ids, all_probs, all_logits = [], [], [], []
         for j in range(num_tokens):
             if j:
-                h = draft_layer_step(draft, tokens[-1].view(1, 1), h, attend)
+                position = torch.tensor([last + j], device=h.device)
+                h = draft_layer_step(draft, tokens[-1].view(1, 1), h, attend, position)
             logits = draft.logits(h)[0, -1].float()  # [N_d]
             if temperature > 0:
                 probs = torch.softmax(logits / temperature, dim=-1)

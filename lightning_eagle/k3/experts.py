@@ -5,20 +5,76 @@ Stacked layout (the grouped-GEMM order): ``gate_up_proj [n, H_l, 2I] = [w1ᵀ | 
 is fp32.
 
 ``storage="mxfp4"`` keeps the checkpoint's MXFP4 bytes instead (uint8 buffers ``gate_up_packed [n, 2I, H_l/2]`` =
-``[w1; w3]`` rows, ``down_packed [n, H_l, I/2]`` = w2, plus their E8M0 scales) and dequantises one expert at a time
-in the forward: ~3.8x less expert memory than bf16 (what makes EP 64 fit beside the replicated weights), identical
-outputs.
+``[w1; w3]`` rows, ``down_packed [n, H_l, I/2]`` = w2, plus their E8M0 scales): ~3.8x less expert memory than bf16
+(what makes EP 64 fit beside the replicated weights), identical outputs. The grouped forward decodes all local
+experts of the layer at once, one call per tensor: transient memory is the decoded layer in the model dtype (0.9 GB
+in bf16 for K3's 14 experts per rank at EP 64) plus ~6 bytes per weight of scratch while a tensor decodes (~1.9 GB
+for that ``gate_up``). The per-expert loop decodes one expert at a time.
+
+The grouped forward (:meth:`RoutedExperts.forward`) runs one batched computation per layer, chosen by
+``grouped_backend``:
+
+* ``"grouped_mm"`` — ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` over the expert-sorted rows with
+  device-side group offsets: no padding, no host sync. Used by ``"auto"`` where a one-time probe shows it runs for
+  the device and dtype (CUDA sm90 bf16; recent torch, e.g. 2.13, also runs it on CPU) and every row stride is
+  16-byte aligned.
+* ``"bmm"`` — each expert's rows padded to the largest group, then two ``bmm``: works everywhere, wastes
+  ``n·max_group − pairs`` rows of compute and memory (the load imbalance), and reads the largest group size back to
+  the host (one sync per layer: a static bound such as ``N`` rows per expert would cost ``n/k`` times the compute).
+
+:meth:`RoutedExperts.forward_naive` (a per-expert loop with boolean masks) is the readable twin.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_eagle.k3.mxfp4 import GROUP_SIZE, decode_mxfp4
 from lightning_eagle.ops.situ import situ_and_mul
 
 EXPERT_STORAGES = ("dequantized", "mxfp4")
+GROUPED_BACKENDS = ("auto", "grouped_mm", "bmm")
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_GROUPED_MM_PROBES: dict[tuple[str, int | None, torch.dtype], bool] = {}
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``grouped_mm`` exists and computes a tiny grouped product correctly on ``device``/``dtype``.
+
+    Support varies by torch version, device, architecture and dtype, and an unsupported call raises on the host
+    before any kernel runs, so two small calls per (device, dtype) and process are a safe probe (their result is read
+    back once; the answer is cached)."""
+    key = (device.type, device.index, dtype)
+    if key not in _GROUPED_MM_PROBES:
+        ok = False
+        if _GROUPED_MM is not None:
+            try:
+                a = torch.arange(48, device=device).view(6, 8).to(dtype) / 8
+                b = torch.arange(3 * 64, device=device).view(3, 8, 8).to(dtype) / 64
+                want = torch.cat([a[:2] @ b[0], a[2:5] @ b[2], a[5:] @ b[2]]).float()
+                # Both layouts forward uses: groups covering every row, and rows left past the last group
+                # (expert-parallel slices); group 1 is empty in both.
+                ok = True
+                for offs, rows in (([2, 2, 6], 6), ([2, 2, 5], 5)):
+                    got = _GROUPED_MM(a, b, offs=torch.tensor(offs, dtype=torch.int32, device=device))[:rows].float()
+                    ok = ok and bool(torch.allclose(got, want[:rows], rtol=1e-2, atol=1e-2))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _GROUPED_MM_PROBES[key] = ok
+    return _GROUPED_MM_PROBES[key]
+
+
+def _rows_aligned(*mats: torch.Tensor) -> bool:
+    """grouped_mm's layout rule: each matrix row- or column-major with its leading stride a multiple of 16 bytes."""
+    for m in mats:
+        alignment = 16 // m.element_size()
+        rows, cols = m.stride(-2), m.stride(-1)
+        if not ((cols == 1 and rows % alignment == 0) or (rows == 1 and cols % alignment == 0)):
+            return False
+    return True
 
 
 class RoutedExperts(nn.Module):
@@ -53,6 +109,7 @@ class RoutedExperts(nn.Module):
             self.register_buffer("down_packed", torch.zeros(count, Hl, inter // 2, **u8))
             self.register_buffer("down_scale", torch.zeros(count, Hl, inter // GROUP_SIZE, **u8))
         self.beta, self.linear_beta = beta, linear_beta
+        self.grouped_backend = "auto"  # one of GROUPED_BACKENDS; see the module docstring
 
     @property
     def is_complete(self) -> bool:
@@ -77,32 +134,89 @@ class RoutedExperts(nn.Module):
         gate, up = (z @ gate_up).split(self.intermediate_size, dim=-1)
         return situ_and_mul(gate, up, self.beta, self.linear_beta) @ down
 
+    def stacked_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gate_up [n, H_l, 2I], down [n, I, H_l])`` of every local expert; MXFP4 storage is decoded in one call
+        per tensor (the results are transposed views of the decoded ``[n, out, in]`` rows)."""
+        if self.storage == "dequantized":
+            return self.gate_up_proj, self.down_proj
+        gate_up = decode_mxfp4(self.gate_up_packed, self.gate_up_scale, dtype=dtype, check_scales=False)
+        down = decode_mxfp4(self.down_packed, self.down_scale, dtype=dtype, check_scales=False)
+        return gate_up.transpose(-1, -2), down.transpose(-1, -2)
+
     def forward(self, z: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
-        """Grouped path: tokens sorted by expert, one GEMM pair per local expert. Returns the fp32 partial sum
-        ``Σ_j w_j · y_{e_j}`` over the (token, slot) pairs routed to *local* experts, ``[N, H_l]``."""
+        """Grouped path. Returns the fp32 partial sum ``Σ_j w_j · y_{e_j}`` over the (token, slot) pairs routed to
+        *local* experts, ``[N, H_l]`` (zero rows for tokens with no local expert).
+
+        The ``P = N·k`` pairs are sorted by local expert, pairs of non-local experts last (sort key ``n``); group
+        ``e`` is the sorted rows ``[ends[e-1], ends[e])`` and only the first ``ends[-1]`` (local) pairs are computed.
+        A complete slice (one process) has no non-local pair, so every shape is fixed by ``N·k`` and nothing is read
+        back to the host on the grouped_mm backend. An expert-parallel slice reads its local-pair count once (the
+        dispatcher has just synchronised on its all-to-all split sizes anyway): under EP a rank receives every row
+        that needs *any* of its experts, and computing all ``k`` slots of those rows would cost ~``ep·k/…`` times the
+        local work (14x at EP 64). Slot contributions are summed per token in slot order, not with atomic adds, so
+        the fp32 sum is deterministic."""
         N, k = topk_idx.shape
-        out = torch.zeros(N, z.shape[-1], dtype=torch.float32, device=z.device)
-        local = topk_idx - self.start
-        flat_local = local.reshape(-1)
-        is_local = (flat_local >= 0) & (flat_local < self.count)
-        pairs = is_local.nonzero().squeeze(-1)
-        if pairs.numel() == 0:
-            return out
-        order = flat_local[pairs].argsort(stable=True)
-        pairs = pairs[order]
-        experts = flat_local[pairs]
-        tokens = pairs // k
-        counts = torch.bincount(experts, minlength=self.count).tolist()
-        z_sorted = z[tokens]
-        y = torch.empty_like(z_sorted)
-        offset = 0
-        for e, c in enumerate(counts):
-            if c:
-                y[offset : offset + c] = self.expert(e, z_sorted[offset : offset + c])
-            offset += c
-        weights = topk_weight.reshape(-1)[pairs].float()
-        out.index_add_(0, tokens, y.float() * weights[:, None])
+        P = N * k
+        H = z.shape[-1]
+        if P == 0:
+            return torch.zeros(N, H, dtype=torch.float32, device=z.device)
+        local = topk_idx.reshape(-1) - self.start
+        key = torch.where((local >= 0) & (local < self.count), local, self.count)
+        key_sorted, order = key.sort(stable=True)
+        ends = torch.searchsorted(key_sorted, torch.arange(self.count, device=z.device), right=True, out_int32=True)
+        n_local = P if self.is_complete else int(ends[-1])  # router indices lie in [0, num_experts)
+        if n_local == 0:
+            return torch.zeros(N, H, dtype=torch.float32, device=z.device)
+        pairs = order[:n_local]
+        x = z[pairs // k]
+
+        gate_up, down = self.stacked_weights(z.dtype)
+        if self.resolve_backend(x, gate_up, down) == "grouped_mm":
+            y = self._grouped_mm(x, gate_up, down, ends)
+        else:
+            y = self._padded_bmm(x, gate_up, down, key_sorted[:n_local], ends)
+        weighted = y * topk_weight.reshape(P)[pairs].float()[:, None]  # fp32 (type promotion), y rounded first
+        if n_local == P:
+            return weighted[order.argsort()].view(N, k, H).sum(1)  # back to (token, slot) order, summed per token
+        # Row of each (token, slot) pair among the computed ones; non-local pairs read an appended zero row.
+        position = torch.full((P,), n_local, dtype=torch.long, device=z.device)
+        position[pairs] = torch.arange(n_local, device=z.device)
+        position = position.view(N, k)
+        rows = torch.cat([weighted, weighted.new_zeros(1, H)])
+        out = rows[position[:, 0]]
+        for slot in range(1, k):  # N×H at a time, never N×k×H
+            out = out + rows[position[:, slot]]
         return out
+
+    def resolve_backend(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> str:
+        """The backend :meth:`forward` uses for these operands (``grouped_backend``, with ``"auto"`` resolved)."""
+        # The SiTU output [P, I] is grouped_mm's operand too: I·(element size) must be a multiple of 16 bytes.
+        inter_aligned = self.intermediate_size * x.element_size() % 16 == 0
+        fits = grouped_mm_runs(x.device, x.dtype) and _rows_aligned(x, gate_up, down) and inter_aligned
+        if self.grouped_backend == "auto":
+            return "grouped_mm" if fits else "bmm"
+        if self.grouped_backend == "grouped_mm" and not fits:
+            raise RuntimeError(f"grouped_mm does not run here ({x.device}, {x.dtype}, or unaligned widths)")
+        return self.grouped_backend
+
+    def _grouped_mm(self, x, gate_up, down, ends):
+        gate, up = _GROUPED_MM(x, gate_up, offs=ends).split(self.intermediate_size, dim=-1)
+        return _GROUPED_MM(situ_and_mul(gate, up, self.beta, self.linear_beta), down, offs=ends)
+
+    def _padded_bmm(self, x, gate_up, down, key_sorted, ends):
+        """Each group gathered into ``[n, C, H_l]`` (``C`` = the largest group, short groups padded with a zero
+        row), two bmm, then each sorted row read back from its padded slot. Gathers only: no scatter, no atomics."""
+        n, (P, H) = self.count, x.shape
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]]).long()
+        sizes = ends.long() - starts
+        capacity = max(int(sizes.max()), 1)  # the one host sync of this backend
+        j = torch.arange(capacity, device=x.device)
+        source = torch.where(j < sizes[:, None], starts[:, None] + j, P)  # row P is the zero padding row
+        padded = torch.cat([x, x.new_zeros(1, H)])[source]
+        gate, up = torch.bmm(padded, gate_up).split(self.intermediate_size, dim=-1)
+        y = torch.bmm(situ_and_mul(gate, up, self.beta, self.linear_beta), down).view(n * capacity, H)
+        expert = key_sorted.long()  # local rows only: every key names one of the n experts
+        return y[expert * capacity + torch.arange(P, device=x.device) - starts[expert]]
 
     def forward_naive(self, z: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         """Readable twin of :meth:`forward`: a plain loop over local experts with boolean masks."""

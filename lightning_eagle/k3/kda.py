@@ -20,6 +20,25 @@ from lightning_eagle.k3.kda_ops import (
 )
 
 KDA_BACKENDS = ("auto", "chunk", "naive", "fla", "fla_chunk")
+AUTO_FLA_PREFERENCE = ("fla_chunk", "fla")  # among checked fla kernels, chunk first: the target runs long prefills
+
+
+def resolve_kda_backend(backend: str, device: torch.device) -> str:
+    """``auto`` → the first fla kernel of :data:`AUTO_FLA_PREFERENCE` that is installed *and* has passed the
+    whole-model check on this device class (:mod:`lightning_eagle.k3.check_kda`), else the plain-torch ``chunk`` path.
+    fla is never picked on trust alone (`k3_target.md` §10); ``fla`` / ``fla_chunk`` remain explicit opt-ins."""
+    if backend != "auto":
+        return backend
+    if fla_kda_available(device):
+        # Imported here: the package imports this module, and `python -m lightning_eagle.k3.check_kda` must not find
+        # check_kda already imported by its own package.
+        from lightning_eagle.k3.check_kda import passed_kda_backends
+
+        passed = passed_kda_backends(device)
+        for name in AUTO_FLA_PREFERENCE:
+            if name in passed:
+                return name
+    return "chunk"
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -111,9 +130,7 @@ class KimiDeltaAttention(nn.Module):
         self, q, k, v, g, beta, initial_state=None, output_final_state: bool = False, backend: str | None = None
     ):
         """The delta-rule recurrence with this layer's scale; ``backend`` overrides the layer's own choice."""
-        backend = backend or self.backend
-        if backend == "auto":
-            backend = "fla" if fla_kda_available(q.device) else "chunk"
+        backend = resolve_kda_backend(backend or self.backend, q.device)
         scale = kda_scale(self.head_dim)
         state = {"initial_state": initial_state, "output_final_state": output_final_state}
         if backend == "naive":

@@ -5,6 +5,11 @@ the ``language_model.`` prefix; skipped ``vision_tower.*`` / ``mm_projector.*``;
 multiple of 128; MXFP4 (``weight_packed``/``weight_scale``) or plain routed experts stacked into
 ``gate_up_proj = [w1ᵀ | w3ᵀ]`` and ``down_proj = w2ᵀ``; fp32-kept tensors. The model is built on the meta device and
 each tensor is materialised exactly once; with ``expert_range`` only that slice of experts is read from disk.
+
+With ``shard``, a function that splits the meta-device model's dense parameters into dim-0 ``DTensor`` shards (e.g.
+:func:`lightning_eagle.parallel.dense_shard.shard_dense_weights`), the model is cast and sharded on meta, materialised
+once on ``device``, and every sharded tensor is filled from only this rank's rows of the file (no rank reads the full
+dense state).
 """
 
 from __future__ import annotations
@@ -14,11 +19,14 @@ import json
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_eagle.k3.config import text_config_from_dict
 from lightning_eagle.k3.experts import RoutedExperts
@@ -111,10 +119,13 @@ class SafetensorsCheckpoint:
         """The stored safetensors dtype string (``"BF16"``, ``"I32"``, ``"F8_E4M3"``, …)."""
         return self._open(self.files[key]).get_slice(key).get_dtype()
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, rows: slice | None = None) -> torch.Tensor:
+        """The tensor, or only its dim-0 ``rows`` (only those bytes are read from the file)."""
         file = self.files[key]
         try:
-            return self._open(file).get_tensor(key)
+            if rows is None:
+                return self._open(file).get_tensor(key)
+            return self._open(file).get_slice(key)[rows]
         except Exception as err:
             raise CheckpointError(f"{file}: cannot read tensor {key!r} ({err})") from None
 
@@ -145,7 +156,14 @@ def resolve_target_path(target: str | Path) -> Path:
 
 
 def load_k3_checkpoint(
-    cls, path, dtype=torch.bfloat16, device="cpu", expert_range=None, kda_backend="auto", expert_storage="dequantized"
+    cls,
+    path,
+    dtype=torch.bfloat16,
+    device="cpu",
+    expert_range=None,
+    kda_backend="auto",
+    expert_storage="dequantized",
+    shard: Callable[[nn.Module], object] | None = None,
 ):
     path = named_target(path)
     if not path.is_dir():
@@ -154,6 +172,10 @@ def load_k3_checkpoint(
     ckpt = SafetensorsCheckpoint(path)
     with torch.device("meta"):
         model = cls(config, expert_range=expert_range, kda_backend=kda_backend, expert_storage=expert_storage)
+    if shard is not None:
+        # Shards have fixed dtypes: cast on meta first (fp32 islands stay fp32), then materialise once, uninitialised.
+        shard(model.cast_to(dtype))
+        model.to_empty(device=torch.device(device))
     StateLoader(model, ckpt, dtype, torch.device(device)).load()
     return model.freeze()
 
@@ -255,8 +277,9 @@ class StateLoader:
                 f"checkpoint {files[0] if len(files) == 1 else files} does not match "
                 f"{type(self.model).__name__} ({self.model.config.num_hidden_layers} layers): " + "; ".join(problems)
             )
-        for name, p in plain.items():
-            self._assign(name, self._read_plain(name, p))
+        with _same_outcome_on_every_rank(any(isinstance(p, DTensor) for p in plain.values())):
+            for name, p in plain.items():
+                self._assign(name, self._read_plain(name, p))
         if self.model.config.tie_word_embeddings and "lm_head.weight" not in self.names:
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
         for mod_name in experts:
@@ -266,13 +289,16 @@ class StateLoader:
             raise CheckpointError(f"parameters left unmaterialised: {_short(leftover)}")
 
     def _read_plain(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """The values of parameter ``p``: all of them, or this rank's dim-0 rows for a sharded (``DTensor``) one."""
         key = self.names[name]
-        t = self.ckpt.get(key)
-        if name.endswith("A_log"):
-            tail = t[p.shape[0] :]
-            if tail.numel() and bool((tail != 0).any()):
-                raise CheckpointError(f"{self.where(key)}: A_log padding beyond {p.shape[0]} heads is not zero")
-            t = t[: p.shape[0]]
+        if isinstance(p, DTensor):
+            t = self.ckpt.get(key, _local_rows(p))  # only this rank's rows are read
+            tail = self.ckpt.get(key, slice(p.shape[0], None)) if name.endswith("A_log") else None
+        else:
+            t = self.ckpt.get(key)
+            tail, t = (t[p.shape[0] :], t[: p.shape[0]]) if name.endswith("A_log") else (None, t)
+        if tail is not None and tail.numel() and bool((tail != 0).any()):
+            raise CheckpointError(f"{self.where(key)}: A_log padding beyond {p.shape[0]} heads is not zero")
         if not torch.isfinite(t.float()).all():
             raise CheckpointError(f"{self.where(key)}: contains NaN or Inf")
         target = torch.float32 if is_fp32_parameter(name) else self.dtype
@@ -281,6 +307,10 @@ class StateLoader:
     def _assign(self, name: str, tensor: torch.Tensor) -> None:
         module_name, _, attr = name.rpartition(".")
         module = self.model.get_submodule(module_name) if module_name else self.model
+        current = getattr(module, attr)
+        if not current.is_meta:  # materialised (and possibly sharded) in advance: fill in place
+            (current.to_local() if isinstance(current, DTensor) else current).data.copy_(tensor)
+            return
         setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
 
     def _load_experts(self, mod_name: str, module) -> None:
@@ -288,8 +318,11 @@ class StateLoader:
             return self._load_packed_experts(mod_name, module)
         n, Hl, inter = module.count, module.hidden_size, module.intermediate_size
         I2 = 2 * inter
-        gate_up = torch.empty(n, Hl, I2, dtype=self.dtype, device=self.device)
-        down = torch.empty(n, inter, Hl, dtype=self.dtype, device=self.device)
+        if module.gate_up_proj.is_meta:
+            gate_up = torch.empty(n, Hl, I2, dtype=self.dtype, device=self.device)
+            down = torch.empty(n, inter, Hl, dtype=self.dtype, device=self.device)
+        else:  # materialised in advance (sharded load): fill in place
+            gate_up, down = module.gate_up_proj.data, module.down_proj.data
         for local in range(n):
             e = module.start + local
             # Destinations are transposed (non-contiguous) views of the stacked tensors.
@@ -312,8 +345,8 @@ class StateLoader:
         """Copy the MXFP4 bytes as stored (no decode): gate/up rows are ``[w1; w3]``, down is ``w2``."""
         inter = module.intermediate_size
         buffers = {
-            name: torch.empty_like(getattr(module, name), device=self.device)
-            for name, _ in module.named_buffers(recurse=False)
+            name: torch.empty_like(b, device=self.device) if b.is_meta else b
+            for name, b in module.named_buffers(recurse=False)
         }
         for local in range(module.count):
             e = module.start + local
@@ -330,6 +363,36 @@ class StateLoader:
                 buffers[f"{stem_kind}_scale"][local, rows] = scale
         for name, tensor in buffers.items():
             setattr(module, name, tensor)
+
+
+def _local_rows(param: DTensor) -> slice:
+    """The dim-0 rows of the full tensor that this rank's shard holds (FSDP2 splits like ``torch.chunk``:
+    ``ceil(n / world)`` rows per rank; the last ranks may hold fewer or none)."""
+    mesh = param.device_mesh
+    per_rank = -(-param.shape[0] // mesh.size())
+    start = min(mesh.get_local_rank() * per_rank, param.shape[0])
+    return slice(start, start + param.to_local().shape[0])
+
+
+class _same_outcome_on_every_rank:
+    """Each rank checks only its own rows; a bad value on one rank must stop all of them (the others would block in
+    the first all-gather forever). Ranks agree through one all-reduce of a failure flag."""
+
+    def __init__(self, sharded: bool) -> None:
+        self.sharded = sharded and dist.is_available() and dist.is_initialized()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if not self.sharded:
+            return False
+        failed = torch.tensor([0 if exc is None else 1 + dist.get_rank()], dtype=torch.int64)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if exc is None and int(failed):
+            raise CheckpointError(f"rank {int(failed) - 1} found a bad tensor in its shard of the checkpoint (its "
+                                  "error names the key); every rank stops")  # fmt: skip
+        return False
 
 
 def _short(items: list[str], limit: int = 8) -> str:

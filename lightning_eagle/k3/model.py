@@ -14,7 +14,7 @@ from torch import nn
 from lightning_eagle.k3.attn_res import attn_res_mix, res_weights
 from lightning_eagle.k3.config import KimiK3TextConfig
 from lightning_eagle.k3.layer import K3DecoderLayer
-from lightning_eagle.ops.mla import causal_additive_mask
+from lightning_eagle.ops.mla import ATTN_IMPLEMENTATIONS, NoPEMLA, causal_allowed_mask
 from lightning_eagle.ops.norm import K3RMSNorm
 
 # Parameters that stay fp32 whatever the model dtype (precision rules of the spec; never cast by `cast_to`).
@@ -40,19 +40,29 @@ class K3Output:
 
 
 def attention_mask_for_mla(
-    attention_mask: torch.Tensor | None, T: int, dtype: torch.dtype, device: torch.device
+    attention_mask: torch.Tensor | None, T: int, device: torch.device | str
 ) -> torch.Tensor | None:
-    """Additive ``[B,1,T,T]``: causal ∧ same document ∧ key not padding (indexed packing masks give documents)."""
+    """Boolean ``[B,1,T,T]`` (True = may attend): causal ∧ same document ∧ key not padding (indexed packing masks,
+    values > 1, give documents); a padding query sees key 0 only. None (no mask: plain causal) for None."""
     if attention_mask is None:
         return None
     if attention_mask.max() <= 1:
-        return causal_additive_mask(attention_mask, T, dtype, device)
+        return causal_allowed_mask(attention_mask, T, device)
     docs = attention_mask.to(device)
     causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
     allowed = causal & (docs[:, None, :, None] == docs[:, None, None, :]) & (docs[:, None, None, :] != 0)
     key0 = (torch.arange(T, device=device) == 0).expand(T, T)
-    allowed = torch.where((docs != 0)[:, None, :, None], allowed, key0)
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return torch.where((docs != 0)[:, None, :, None], allowed, key0)
+
+
+def set_attn_implementation(model: nn.Module, name: str) -> nn.Module:
+    """Set ``attn_implementation`` (``"sdpa"`` or ``"eager"``) on every MLA layer of ``model``; returns ``model``."""
+    if name not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {name!r}")
+    for module in model.modules():
+        if isinstance(module, NoPEMLA):
+            module.attn_implementation = name
+    return model
 
 
 class KimiK3TextModel(nn.Module):
@@ -89,7 +99,7 @@ class KimiK3TextModel(nn.Module):
         if token_mixers is None:
             if attention_mask is not None and bool((attention_mask == 1).all()):
                 attention_mask = None  # all-ones: the unmasked fast path is exact
-            attn_mask = attention_mask_for_mla(attention_mask, input_ids.shape[1], h.dtype, h.device)
+            attn_mask = attention_mask_for_mla(attention_mask, input_ids.shape[1], h.device)
             token_mixers = [
                 partial(layer.token_mixer, attn_mask=attn_mask, token_mask=attention_mask) for layer in self.layers
             ]
@@ -110,6 +120,8 @@ class KimiK3ForCausalLM(nn.Module):
 
     Build with :meth:`from_pretrained` (released checkpoint layout) or ``KimiK3ForCausalLM(config)`` + random
     :meth:`init_weights` (tests). ``expert_range=(start, n)`` holds only that contiguous slice of routed experts.
+    ``attn_implementation``: the MLA attention core, ``"sdpa"`` (fused kernels) or ``"eager"`` (the readable twin);
+    :func:`set_attn_implementation` switches it later.
     """
 
     def __init__(
@@ -118,12 +130,14 @@ class KimiK3ForCausalLM(nn.Module):
         expert_range: tuple[int, int] | None = None,
         kda_backend: str = "auto",
         expert_storage: str = "dequantized",
+        attn_implementation: str = "sdpa",
     ) -> None:
         super().__init__()
         self.config = config
         self.expert_range = expert_range
         self.model = KimiK3TextModel(config, expert_range, kda_backend, expert_storage)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        set_attn_implementation(self, attn_implementation)
 
     # ---- construction ---------------------------------------------------------------------------------------------
     @classmethod
@@ -135,16 +149,20 @@ class KimiK3ForCausalLM(nn.Module):
         expert_range: tuple[int, int] | None = None,
         kda_backend: str = "auto",
         expert_storage: str = "dequantized",
+        attn_implementation: str = "sdpa",
+        shard=None,
     ) -> KimiK3ForCausalLM:
         """Load a released-layout checkpoint directory (outer VLM or bare text ``config.json``; single or sharded
         safetensors; MXFP4 or plain experts), or ``"quickstart"`` (the bundled tiny K3). Returns the model frozen and
         in eval mode.
 
-        ``expert_storage="mxfp4"`` keeps routed experts MXFP4-packed in memory (decoded per expert in the forward);
-        ``"dequantized"`` decodes them once to ``dtype`` at load."""
+        ``expert_storage="mxfp4"`` keeps routed experts MXFP4-packed in memory (each MoE layer decodes all its
+        experts once per forward); ``"dequantized"`` decodes them once to ``dtype`` at load. ``attn_implementation``
+        as in the constructor. ``shard``: splits the meta-device model's dense weights before loading (see
+        :mod:`lightning_eagle.parallel.dense_shard`); each rank then reads only its rows."""
         from lightning_eagle.k3.loader import load_k3_checkpoint
 
-        return load_k3_checkpoint(
+        model = load_k3_checkpoint(
             cls,
             path,
             dtype=dtype,
@@ -152,7 +170,9 @@ class KimiK3ForCausalLM(nn.Module):
             expert_range=expert_range,
             kda_backend=kda_backend,
             expert_storage=expert_storage,
+            shard=shard,
         )
+        return set_attn_implementation(model, attn_implementation)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float | None = None) -> KimiK3ForCausalLM:

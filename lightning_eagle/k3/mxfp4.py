@@ -19,30 +19,40 @@ def decode_mxfp4(
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
     name: str = "weight",
+    check_scales: bool = True,
 ) -> torch.Tensor:
-    """Decode to ``[out, in]`` (fp32 math, then ``dtype``); writes into ``out`` (any strides) when given."""
+    """Decode ``packed [..., out, in/2]`` with ``scale [..., out, in/32]`` to ``[..., out, in]`` (fp32 math, then
+    ``dtype``); writes into ``out`` (any strides) when given. Leading dimensions are batch dimensions, so one call
+    decodes a whole stack of experts.
+
+    ``check_scales=False`` skips the refusal of scale byte 255 (NaN in E8M0): that check reads a flag back to the
+    host, so the expert forward (whose buffers the loader already checked) turns it off to stay free of host syncs.
+    """
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise ValueError(f"{name}: MXFP4 weight_packed/weight_scale must be uint8, got {packed.dtype}/{scale.dtype}")
-    rows, half = packed.shape
+    *lead, rows, half = packed.shape
     cols = 2 * half
     if cols % GROUP_SIZE:
         raise ValueError(f"{name}: MXFP4 input width {cols} is not divisible by the group size {GROUP_SIZE}")
-    if tuple(scale.shape) != (rows, cols // GROUP_SIZE):
+    if tuple(scale.shape) != (*lead, rows, cols // GROUP_SIZE):
         raise ValueError(
             f"{name}: weight_scale shape {tuple(scale.shape)} does not match weight_packed {tuple(packed.shape)} "
-            f"(expected {(rows, cols // GROUP_SIZE)})"
+            f"(expected {(*lead, rows, cols // GROUP_SIZE)})"
         )
-    if bool((scale == 255).any()):
+    if check_scales and bool((scale == 255).any()):
         raise ValueError(f"{name}: MXFP4 scale byte 255 (NaN in E8M0) found")
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(rows, cols).long()
-    exponent = scale.float() - 127.0
-    values = table[codes].view(rows, cols // GROUP_SIZE, GROUP_SIZE) * torch.exp2(exponent)[..., None]
-    values = values.view(rows, cols)
+    # One lookup per byte: entry b holds (value of its low nibble, value of its high nibble), i.e. the two
+    # interleaved columns. int32 indices (not int64) keep the transient at ~6 bytes per weight beside the result,
+    # which matters when a whole layer's experts are decoded at once.
+    nibble = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    byte_table = torch.stack([nibble.repeat(16), nibble.repeat_interleave(16)], dim=-1)  # [256, 2]
+    values = byte_table[packed.int()].view(*lead, rows, cols // GROUP_SIZE, GROUP_SIZE)
+    values.mul_(torch.exp2(scale.float() - 127.0)[..., None])
+    values = values.view(*lead, rows, cols)
     if out is None:
         return values.to(dtype)
-    if tuple(out.shape) != (rows, cols):
-        raise ValueError(f"{name}: destination shape {tuple(out.shape)} != decoded shape {(rows, cols)}")
+    if tuple(out.shape) != (*lead, rows, cols):
+        raise ValueError(f"{name}: destination shape {tuple(out.shape)} != decoded shape {(*lead, rows, cols)}")
     out.copy_(values)
     return out
 

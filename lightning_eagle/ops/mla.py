@@ -2,18 +2,26 @@
 output gate. The K3 target uses it on ``H``-wide inputs; the EAGLE-3 draft on the ``2H``-wide fused input.
 
 There is no rotary module: position enters only through the causal mask (and, in the target, through KDA).
+
+The attention core has two twins with one signature ``(q, k, v, mask, scale) -> o``: :func:`eager_attention` (the
+readable form, fp32 ``[B,n,T,L]`` scores) and :func:`sdpa_attention` (``F.scaled_dot_product_attention``: flash or
+memory-efficient kernels that never hold the scores). ``NoPEMLA.attn_implementation`` picks one.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_eagle.ops.norm import K3RMSNorm
 
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+
 
 class NoPEMLA(nn.Module):
-    """Projections and output gate of K3's MLA. ``forward`` runs plain (eager) causal attention.
+    """Projections and output gate of K3's MLA. ``forward`` runs causal attention with the core named by
+    ``attn_implementation`` (``"sdpa"``, the default, or ``"eager"``; a settable attribute).
 
     Subclasses / callers that need another attention core (the draft's TTT cache) use :meth:`project` and
     :meth:`gate_output` around their own score computation.
@@ -31,8 +39,10 @@ class NoPEMLA(nn.Module):
         v_head_dim: int,
         latent_norm_eps: float = 1e-6,
         use_output_gate: bool = True,
+        attn_implementation: str = "sdpa",
     ) -> None:
         super().__init__()
+        self.attn_implementation = attn_implementation
         self.num_heads = num_heads
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
@@ -49,6 +59,16 @@ class NoPEMLA(nn.Module):
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.g_proj = nn.Linear(input_size, num_heads * v_head_dim, bias=False) if use_output_gate else None
         self.o_proj = nn.Linear(num_heads * v_head_dim, output_size, bias=False)
+
+    @property
+    def attn_implementation(self) -> str:
+        return self._attn_implementation
+
+    @attn_implementation.setter
+    def attn_implementation(self, name: str) -> None:
+        if name not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {name!r}")
+        self._attn_implementation = name
 
     @classmethod
     def from_config(cls, config, input_size: int, output_size: int, latent_norm_eps: float) -> NoPEMLA:
@@ -89,20 +109,103 @@ class NoPEMLA(nn.Module):
         return self.o_proj(o)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """Eager attention. ``mask``: additive ``[B|1,1,T,L]`` over the ``L`` keys (``finfo.min`` where disallowed);
+        """Causal attention over ``x [B,T,in]``. ``mask`` over the ``L`` keys, ``[B|1,1,T,L]``: boolean (True = may
+        attend, see :func:`causal_allowed_mask`) or additive (0 / ``finfo.min``, see :func:`causal_additive_mask`);
         None = causal. ``cache``: a key/value cache whose ``update(k, v)`` appends this call's keys and values and
         returns all of them (incremental decoding: the ``T`` new tokens attend to the cached prefix and, causally,
         to each other)."""
         q, k, v = self.project(x)
         if cache is not None:
             k, v = cache.update(k, v)
+        attend = sdpa_attention if self.attn_implementation == "sdpa" else eager_attention
+        o = attend(q, k, v, mask, self.scale)
         B, n, T, _ = q.shape
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
-        if mask is None:
-            mask = causal_additive_mask(None, T, scores.dtype, scores.device, past_length=k.shape[2] - T)
-        probs = torch.softmax(scores.float() + mask.float(), dim=-1).to(v.dtype)
-        o = torch.matmul(probs, v).transpose(1, 2).reshape(B, T, n * self.v_head_dim)
-        return self.gate_output(o, x)
+        return self.gate_output(o.transpose(1, 2).reshape(B, T, n * self.v_head_dim), x)
+
+
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """``softmax(q·kᵀ·scale + mask) · v`` with explicit fp32 ``[B,n,T,L]`` scores (the readable twin).
+
+    ``q, k [B,n,T|L,d_qk]``, ``v [B,n,L,d_v]`` → ``[B,n,T,d_v]``. ``mask`` as in :meth:`NoPEMLA.forward`; None =
+    causal with the ``L − T`` cached keys in front of the queries."""
+    T, L = q.shape[-2], k.shape[-2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is None:
+        mask = causal_allowed_mask(None, T, q.device, past_length=L - T)
+    if mask.dtype == torch.bool:
+        mask = additive_mask(mask, torch.float32)
+    probs = torch.softmax(scores.float() + mask.float(), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """:func:`eager_attention` through ``F.scaled_dot_product_attention`` (same signature and result).
+
+    **Widths.** K3's qk head (nope + rope = 192) is wider than its v head (128). q, k and v are zero-padded to one
+    width and the output sliced back: zero v columns give zero output columns and zero q/k columns add nothing to
+    the scores (``scale`` is passed explicitly, so the padded width does not change it). Padding is chosen over
+    relying on a backend that takes ``d_v ≠ d_qk`` because the flash kernels need equal widths — torch's CUDA
+    flash kernel and the fused CPU kernel alike (on CPU, unequal widths fall back to the math backend, which
+    materialises the scores); the cost is a 1.5x wider ``P·v`` product and one copy of v per call.
+
+    **Masks.** None without a cached prefix → ``is_causal=True`` and no mask tensor (flash-eligible); one query
+    after a prefix sees every key (no mask); several queries after a prefix get a boolean ``[T,L]`` causal mask
+    (``is_causal`` would align the diagonal top-left). Boolean masks pass through; additive masks are read as
+    boolean (``mask == 0`` allowed), exact for the 0 / very-negative masks this library builds. Note that torch
+    turns a boolean mask into an additive one of q's dtype inside each call (a transient ``[B,1,T,L]``), and that
+    any mask tensor rules out the CUDA flash kernel (memory-efficient or cuDNN run instead) and causal block
+    skipping; only the unpadded causal case is mask-free.
+
+    **Precision.** fp32 inputs are computed in fp32; the fused kernels accumulate bf16/fp16 inputs in fp32 (scores,
+    softmax statistics and the ``P·v`` sums), at least as accurate as the eager twin, whose bf16 scores are rounded
+    before its fp32 softmax. **Finiteness.** Every row of the masks built here allows at least one key (a padding
+    query sees key 0), so no row is empty and no NaN appears."""
+    T, L = q.shape[-2], k.shape[-2]
+    d_v = v.shape[-1]
+    width = max(q.shape[-1], d_v)
+    q, k, v = (_pad_last(t, width) for t in (q, k, v))
+    is_causal = False
+    if mask is None:
+        if L == T:
+            is_causal = True
+        elif T > 1:
+            mask = causal_allowed_mask(None, T, q.device, past_length=L - T)
+    elif mask.dtype != torch.bool:
+        mask = mask == 0
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    return out[..., :d_v]
+
+
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def causal_allowed_mask(
+    attention_mask: torch.Tensor | None,
+    T: int,
+    device: torch.device | str,
+    past_length: int = 0,
+) -> torch.Tensor:
+    """Boolean ``[B|1,1,T,past_length+T]``, True where a query may attend: causal ∧ key-not-padding; a padding
+    query row may attend to key 0 only. ``past_length`` keys (a cached prefix) precede the ``T`` queries;
+    ``attention_mask`` covers all keys."""
+    allowed = torch.ones(T, past_length + T, dtype=torch.bool, device=device).tril(past_length)[None, None]
+    if attention_mask is not None:
+        keep = attention_mask.to(device=device, dtype=torch.bool)
+        allowed = allowed & keep[:, None, None, :]
+        # A padding query attends to key 0 only, so its softmax stays finite; its output is ignored downstream.
+        key0 = (torch.arange(past_length + T, device=device) == 0).expand(T, past_length + T)
+        allowed = torch.where(keep[:, None, past_length:, None], allowed, key0)
+    return allowed
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean mask → additive: 0 where allowed, ``finfo(dtype).min`` elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def causal_additive_mask(
@@ -112,14 +215,5 @@ def causal_additive_mask(
     device: torch.device | str,
     past_length: int = 0,
 ) -> torch.Tensor:
-    """Additive ``[B|1,1,T,past_length+T]`` mask: causal ∧ key-not-padding; a padding query row may attend to key 0
-    only. ``past_length`` keys (a cached prefix) precede the ``T`` queries; ``attention_mask`` covers all keys."""
-    allowed = torch.ones(T, past_length + T, dtype=torch.bool, device=device).tril(past_length)[None, None]
-    if attention_mask is not None:
-        keep = attention_mask.to(device=device, dtype=torch.bool)
-        allowed = allowed & keep[:, None, None, :]
-        # A padding query attends to key 0 only, so its softmax stays finite; its output is ignored downstream.
-        key0 = (torch.arange(past_length + T, device=device) == 0).expand(T, past_length + T)
-        allowed = torch.where(keep[:, None, past_length:, None], allowed, key0)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+    """Additive form of :func:`causal_allowed_mask` (0 where allowed, ``finfo(dtype).min`` elsewhere)."""
+    return additive_mask(causal_allowed_mask(attention_mask, T, device, past_length), dtype)

@@ -20,9 +20,10 @@ import tempfile
 from typing import Any
 
 import torch
-from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_eagle.parallel.dense_shard import has_sharded_trainable_parameters
 
 
 class _OneThreadAfterFork:
@@ -44,7 +45,7 @@ class ExpertParallelLauncher(_MultiProcessingLauncher):
 
     def _collect_rank_zero_results(self, trainer, results: Any) -> _WorkerOutput | None:
         module = trainer.lightning_module
-        if not _has_dtensor_modules(module):
+        if not has_sharded_trainable_parameters(module):
             return super()._collect_rank_zero_results(trainer, results)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

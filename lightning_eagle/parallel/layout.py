@@ -14,6 +14,7 @@ whole target) through :func:`target_parallelism`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -32,6 +33,7 @@ class ParallelLayout:
 
     expert_parallel_size: int = 1
     target_dispatcher: str = "torch"
+    target_shard_dense: bool | None = None  # None: on when the world has more than one rank
     world_size: int | None = None
     num_experts: int | None = None
     device_types: tuple[str, ...] | None = None
@@ -47,11 +49,18 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         if self.device_types is not None and not isinstance(self.device_types, tuple):
             object.__setattr__(self, "device_types", tuple(self.device_types))
-        validate_layout(**dataclasses.asdict(self))
+        validate_layout(**{k: v for k, v in dataclasses.asdict(self).items() if k != "target_shard_dense"})
 
     @property
     def data_parallel_size(self) -> int | None:
         return None if self.world_size is None else self.world_size // self.expert_parallel_size
+
+    @property
+    def dense_sharded(self) -> bool:
+        """Whether the target's dense (non-routed) weights are split over all ranks (FSDP2, gathered per layer)."""
+        if self.target_shard_dense is not None:
+            return self.target_shard_dense
+        return (self.world_size or 1) > 1
 
     def refine(self, **facts: Any) -> ParallelLayout:
         """This layout with newly known facts (``world_size``, ``num_experts``, ``device_types``), validated."""
@@ -75,6 +84,11 @@ class TargetParallelism(Protocol):
         """``(start, count)`` of the routed experts this rank loads; None = all of them."""
         ...
 
+    def dense_sharding(self) -> Callable[[nn.Module], object] | None:
+        """Applied by the loader to the meta-device target before any weight is read (e.g. FSDP2 over all ranks);
+        None = the dense weights are replicated."""
+        ...
+
     def parallelize_target(self, target: nn.Module) -> nn.Module:
         """Called once after loading: install whatever the layout needs (e.g. the expert-parallel dispatcher)."""
         ...
@@ -84,9 +98,12 @@ class ReplicatedTarget:
     """Every rank holds the whole target: single-device and plain data-parallel (DDP) strategies."""
 
     def __init__(self, world_size: int = 1) -> None:
-        self.layout = dataclasses.replace(SINGLE_PROCESS, world_size=world_size)
+        self.layout = dataclasses.replace(SINGLE_PROCESS, world_size=world_size, target_shard_dense=False)
 
     def expert_range(self, num_experts: int) -> None:
+        return None
+
+    def dense_sharding(self) -> None:
         return None
 
     def parallelize_target(self, target: nn.Module) -> nn.Module:

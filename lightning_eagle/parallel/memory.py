@@ -1,20 +1,30 @@
-"""Per-rank weight memory of the frozen K3 target under expert parallelism, computed from a config alone.
+"""Weights of the frozen K3 target per rank, counted from the real module tree; and the memory-plan command line.
 
-Parameter counts come from the real module tree (one decoder layer of each kind built on the meta device, with
-``nn.init`` skipped), not from a second hand-written formula, so the report cannot drift from the model. Bytes:
+Parameter shapes come from the real module tree (one decoder layer of each kind built on the meta device, with
+``nn.init`` skipped), not from a second hand-written formula, so the counts cannot drift from the model. Bytes:
 
-* non-routed weights (replicated on every rank): model dtype, except the fp32-kept tensors (``A_log``, ``dt_bias``,
-  router bias, conv weights, ``o_norm``);
+* non-routed ("dense") weights: model dtype, except the fp32 islands (``A_log``, ``dt_bias``, router bias, conv
+  weights, ``o_norm``; :func:`~lightning_eagle.k3.model.is_fp32_parameter`). Replicated on every rank, or split over
+  the whole world by FSDP2 (:mod:`lightning_eagle.parallel.dense_shard`): every parameter of a unit (decoder layer,
+  embedding, ``lm_head``) is chunked along dim 0 like ``torch.chunk``, ``ceil(rows / world)`` rows per rank (the
+  first shard's padded size, which FSDP2 allocates on every rank); the root weights (final norm, AttnRes output
+  mixer) stay replicated;
 * routed experts per rank: ``E/ep`` experts × layers, either packed MXFP4 (0.5 B + 1 scale byte per 32 weights)
-  or dequantised to the model dtype — what :class:`~lightning_eagle.k3.experts.RoutedExperts` holds today.
+  or dequantised to the model dtype — what :class:`~lightning_eagle.k3.experts.RoutedExperts` holds.
 
 For the published K3 at EP 8 / 32 / 64 this reproduces ``k3_target.md`` §5.3: ≈ 113 GB non-routed (bf16) and
 181 / 45 / 22.6 GB packed, 681 / 170 / 85 GB bf16 routed experts per rank.
+
+The whole per-rank **peak** (activations, draft, optimizer, transients) is planned in
+:mod:`lightning_eagle.parallel.memory_plan`; ``python -m lightning_eagle.parallel.memory --config run.yaml
+--gpu-gb 80`` prints that plan for a LightningCLI config (see :func:`main`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -24,6 +34,7 @@ from lightning_eagle.k3.layer import K3DecoderLayer
 from lightning_eagle.k3.model import is_fp32_parameter
 
 GB = 1e9  # decimal, as in the spec's tables
+ROUTED_PREFIX = "block_sparse_moe.experts."
 
 
 class _SkipInit(TorchFunctionMode):
@@ -35,6 +46,140 @@ class _SkipInit(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+# ---- parameter shapes from the real modules ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter: its shape and whether it is an fp32 island (fp32 whatever the model dtype)."""
+
+    name: str
+    shape: tuple[int, ...]
+    fp32: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def itemsize(self, dtype: torch.dtype) -> int:
+        return 4 if self.fp32 else dtype.itemsize
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        return self.numel * self.itemsize(dtype)
+
+    def shard_nbytes(self, dtype: torch.dtype, world: int) -> int:
+        """Bytes of one rank's FSDP2 shard: ``ceil(rows / world)`` rows (the padded first chunk, dim 0)."""
+        rows = self.shape[0]
+        return -(-rows // world) * (self.numel // rows) * self.itemsize(dtype)
+
+
+@dataclass(frozen=True)
+class DenseUnit:
+    """A group of non-routed parameters that FSDP2 gathers together (or that stays replicated: ``shardable``)."""
+
+    name: str
+    params: tuple[ParamShape, ...]
+    shardable: bool = True
+
+    @cached_property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @cached_property
+    def _fp32_numel(self) -> int:
+        return sum(p.numel for p in self.params if p.fp32)
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        """Full (gathered) bytes."""
+        return (self.numel - self._fp32_numel) * dtype.itemsize + self._fp32_numel * 4
+
+    def held_nbytes(self, dtype: torch.dtype, world: int, sharded: bool) -> int:
+        """Bytes a rank holds between gathers: its shard, or everything when replicated."""
+        if not (sharded and self.shardable):
+            return self.nbytes(dtype)
+        return sum(p.shard_nbytes(dtype, world) for p in self.params)
+
+
+@dataclass(frozen=True)
+class TargetShapes:
+    """The target's non-routed units in forward order and its routed parameters, from the real modules."""
+
+    config: KimiK3TextConfig
+    embedding: DenseUnit
+    layers: tuple[DenseUnit, ...]
+    lm_head: DenseUnit
+    root: DenseUnit  # final norm + AttnRes output mixer: read outside any FSDP unit, replicated
+    routed_per_expert: tuple[int, ...]  # routed weights of one expert, per decoder layer (0 for dense layers)
+    _held: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def units(self) -> tuple[DenseUnit, ...]:
+        return (self.embedding, *self.layers, self.lm_head, self.root)
+
+    @property
+    def routed_weights_per_expert(self) -> int:
+        return sum(self.routed_per_expert)
+
+    def dense_bytes(self, dtype: torch.dtype) -> int:
+        return sum(u.nbytes(dtype) for u in self.units)
+
+    def dense_held_bytes(self, dtype: torch.dtype, world: int, sharded: bool) -> int:
+        key = (dtype, world, sharded)
+        if key not in self._held:  # layers of one kind share their parameter tuple: size it once
+            per_kind: dict[int, int] = {}
+            for u in self.units:
+                if id(u.params) not in per_kind:
+                    per_kind[id(u.params)] = u.held_nbytes(dtype, world, sharded)
+            self._held[key] = sum(per_kind[id(u.params)] for u in self.units)
+        return self._held[key]
+
+
+def _layer_parameters(config: KimiK3TextConfig, layer_idx: int) -> tuple[tuple[ParamShape, ...], int]:
+    """(non-routed parameters, routed weights of one expert) of decoder layer ``layer_idx``, built on meta."""
+    with torch.device("meta"), _SkipInit():
+        layer = K3DecoderLayer(config, layer_idx, expert_range=(0, 1))
+    dense, routed = [], 0
+    for name, p in layer.named_parameters():
+        if name.startswith(ROUTED_PREFIX):
+            routed += p.numel()
+        else:
+            dense.append(ParamShape(name, tuple(p.shape), is_fp32_parameter(name)))
+    return tuple(dense), routed
+
+
+def target_shapes(config: KimiK3TextConfig) -> TargetShapes:
+    """Every non-routed parameter shape of the target and the routed weights per expert, one meta layer per kind."""
+    kinds: dict[tuple[bool, bool], tuple[tuple[ParamShape, ...], int]] = {}
+    layers, routed = [], []
+    for i in range(config.num_hidden_layers):
+        kind = (config.is_kda(i), config.is_moe(i))
+        if kind not in kinds:
+            kinds[kind] = _layer_parameters(config, i)
+        params, per_expert = kinds[kind]
+        layers.append(DenseUnit(f"layers.{i}", params))
+        routed.append(per_expert)
+    V, H = config.vocab_size, config.hidden_size
+    embedding = DenseUnit("embed_tokens", (ParamShape("embed_tokens.weight", (V, H)),))
+    head = () if config.tie_word_embeddings else (ParamShape("lm_head.weight", (V, H)),)
+    root = [ParamShape("norm.weight", (H,))]
+    if config.attn_res_block_size is not None:
+        root += [ParamShape("output_attn_res_norm.weight", (H,)), ParamShape("output_attn_res_proj.weight", (1, H))]
+    return TargetShapes(
+        config=config,
+        embedding=embedding,
+        layers=tuple(layers),
+        lm_head=DenseUnit("lm_head", head),
+        root=DenseUnit("root", tuple(root), shardable=False),
+        routed_per_expert=tuple(routed),
+    )
+
+
+def routed_bytes(routed_weights: int, dtype: torch.dtype, storage: str) -> int:
+    """Bytes of ``routed_weights`` expert weights: MXFP4 (4 bits + one E8M0 byte per 32) or ``dtype``."""
+    if storage == "mxfp4":
+        return routed_weights // 2 + routed_weights // MXFP4_GROUP
+    return routed_weights * dtype.itemsize
+
+
+# ---- the target-weights report (printed by the strategy at setup) ---------------------------------------------
 @dataclass(frozen=True)
 class RankMemory:
     ep_size: int
@@ -68,67 +213,58 @@ def _size(n: int) -> str:
     return f"{n / GB:.1f} GB" if n >= GB / 10 else f"{n / 1e6:.2f} MB"
 
 
-def _layer_counts(config: KimiK3TextConfig, layer_idx: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(non-routed params, non-routed bytes, routed params per expert) of decoder layer ``layer_idx``."""
-    with torch.device("meta"), _SkipInit():
-        layer = K3DecoderLayer(config, layer_idx, expert_range=(0, 1))
-    params = bytes_ = routed = 0
-    for name, p in layer.named_parameters():
-        if name.startswith("block_sparse_moe.experts."):
-            routed += p.numel()
-        else:
-            params += p.numel()
-            bytes_ += p.numel() * (4 if is_fp32_parameter(name) else dtype.itemsize)
-    return params, bytes_, routed
-
-
-def per_rank_memory_report(config: KimiK3TextConfig, ep_size: int, dtype: torch.dtype = torch.bfloat16) -> RankMemory:
-    """Weight bytes one EP rank holds for the frozen target (activations and the draft are not included)."""
+def check_ep_size(config: KimiK3TextConfig, ep_size: int) -> None:
     E = config.num_experts
     if ep_size < 1 or E % ep_size:
         raise ValueError(f"num_experts ({E}) is not divisible by expert_parallel_size ({ep_size})")
-    kinds: dict[tuple[bool, bool], tuple[int, int, int]] = {}
-    non_routed = non_routed_bytes = routed_per_expert = 0
-    for i in range(config.num_hidden_layers):
-        kind = (config.is_kda(i), config.is_moe(i))
-        if kind not in kinds:
-            kinds[kind] = _layer_counts(config, i, dtype)
-        params, bytes_, routed = kinds[kind]
-        non_routed += params
-        non_routed_bytes += bytes_
-        routed_per_expert += routed
-    # Outside the layers: embedding, lm_head (unless tied), final norm and the AttnRes output mixer.
-    H = config.hidden_size
-    top = config.vocab_size * H * (1 if config.tie_word_embeddings else 2) + H
-    if config.attn_res_block_size is not None:
-        top += 2 * H
-    non_routed += top
-    non_routed_bytes += top * dtype.itemsize
-    routed = routed_per_expert * (E // ep_size)
+
+
+def per_rank_memory_report(
+    config: KimiK3TextConfig, ep_size: int, dtype: torch.dtype = torch.bfloat16, shapes: TargetShapes | None = None
+) -> RankMemory:
+    """Weight bytes one EP rank holds for the frozen target, dense weights replicated (activations, the draft and
+    dense sharding are in :func:`lightning_eagle.parallel.memory_plan.build_plan`)."""
+    check_ep_size(config, ep_size)
+    shapes = shapes or target_shapes(config)
+    experts = config.num_experts // ep_size
+    routed = shapes.routed_weights_per_expert * experts
     return RankMemory(
         ep_size=ep_size,
         dtype=dtype,
-        experts_per_rank=E // ep_size,
-        non_routed_params=non_routed,
+        experts_per_rank=experts,
+        non_routed_params=sum(u.numel for u in shapes.units),
         routed_params_per_rank=routed,
-        non_routed_bytes=non_routed_bytes,
-        routed_packed_bytes=routed // 2 + routed // MXFP4_GROUP,
-        routed_dequantised_bytes=routed * dtype.itemsize,
+        non_routed_bytes=shapes.dense_bytes(dtype),
+        routed_packed_bytes=routed_bytes(routed, dtype, "mxfp4"),
+        routed_dequantised_bytes=routed_bytes(routed, dtype, "dequantized"),
     )
 
 
 def memory_table(config: KimiK3TextConfig, ep_sizes: list[int], dtype: torch.dtype = torch.bfloat16) -> str:
     """Markdown table of :func:`per_rank_memory_report` for several EP sizes (README "Scaling out")."""
     dt = str(dtype).removeprefix("torch.")
+    shapes = target_shapes(config)
     rows = [
         f"| EP | experts/rank | non-routed ({dt}) | routed MXFP4 packed | routed {dt} | total packed | total {dt} |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for ep in ep_sizes:
-        m = per_rank_memory_report(config, ep, dtype)
+        m = per_rank_memory_report(config, ep, dtype, shapes)
         rows.append(
             f"| {ep} | {m.experts_per_rank} | {m.non_routed_bytes / GB:.1f} GB | {m.routed_packed_bytes / GB:.1f} GB | "
             f"{m.routed_dequantised_bytes / GB:.1f} GB | {m.total_packed_bytes / GB:.1f} GB | "
             f"{m.total_dequantised_bytes / GB:.1f} GB |"
         )
     return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lightning_eagle.parallel.memory --config run.yaml --gpu-gb 80`` (see
+    :func:`lightning_eagle.parallel.memory_plan.main`)."""
+    from lightning_eagle.parallel.memory_plan import main as plan_main
+
+    return plan_main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -27,19 +27,21 @@ of all ranks in :meth:`setup_environment` — always before any target weight is
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
 from lightning.pytorch.plugins.precision import HalfPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_eagle.parallel.dense_shard import has_sharded_trainable_parameters, shard_dense_weights
 from lightning_eagle.parallel.dispatcher import build_dispatcher, check_dispatcher
 from lightning_eagle.parallel.grad_sync import all_reduce_gradients
 from lightning_eagle.parallel.launcher import ExpertParallelLauncher
@@ -61,6 +63,9 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             one). ``"deepep"`` / ``"hybridep"`` are reserved names that always fail at construction: with an
             ImportError naming the package when it is missing, else NotImplementedError (no integration yet) —
             never silently replaced by torch.
+        target_shard_dense: split the target's dense (non-routed) weights over all ranks with FSDP2, gathered one
+            layer at a time (:mod:`lightning_eagle.parallel.dense_shard`); each rank reads only its rows from disk.
+            Default (None): on when the world has more than one rank. Routed experts stay expert-parallel.
         tensor_parallel_size, context_parallel_size, pipeline_parallel_size, sequence_packing, target_backend,
             p_eagle, target_force_hf: accepted only at their supported values (1 / False / ``"colocated"``) so that
             a config asking for them fails loudly with the setting's name.
@@ -75,6 +80,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self,
         expert_parallel_size: int = 1,
         target_dispatcher: str = "torch",
+        target_shard_dense: bool | None = None,
         tensor_parallel_size: int = 1,
         context_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
@@ -92,6 +98,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self._layout = ParallelLayout(
             expert_parallel_size=expert_parallel_size,
             target_dispatcher=target_dispatcher,
+            target_shard_dense=target_shard_dense,
             tensor_parallel_size=tensor_parallel_size,
             context_parallel_size=context_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
@@ -112,6 +119,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self._dispatcher = None
+        self._world_mesh = None
 
     # ---- layout ---------------------------------------------------------------------------------------------------
     @property
@@ -184,6 +192,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh  # `self.device_mesh` inside configure_model
         if ep > 1:
             self._dispatcher = build_dispatcher(self._layout.target_dispatcher, self.expert_parallel_group)
+        if self._layout.dense_sharded:  # one flat mesh over every rank: the target's dense weights split world-wide
+            self._world_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("world",))
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -218,6 +228,14 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self._refine(num_experts=num_experts)
         return expert_range(num_experts, self.ep_size, self.ep_rank)
 
+    def dense_sharding(self) -> Callable[[nn.Module], object] | None:
+        """FSDP2 over all ranks for the dense target weights (None when they are replicated)."""
+        if not self._layout.dense_sharded:
+            return None
+        if self._world_mesh is None:
+            raise RuntimeError("dense_sharding() needs the process group: call it after setup_environment()")
+        return partial(shard_dense_weights, mesh=self._world_mesh)
+
     def parallelize_target(self, target: nn.Module) -> nn.Module:
         """Install the dispatcher on every MoE layer (after checking each holds this rank's slice) and print the
         per-rank memory of the target (rank 0)."""
@@ -247,7 +265,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def _draft_is_sharded(self) -> bool:
-        return self.model is not None and _has_dtensor_modules(self.model)
+        return has_sharded_trainable_parameters(self.model)
 
     def _refuse_target_in_state_dict(self, state_dict: dict[str, Any]) -> None:
         from lightning_eagle.k3.model import KimiK3ForCausalLM

@@ -26,16 +26,19 @@ from lightning_eagle.checkpoint_io import AtomicCheckpointIO
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
 from lightning_eagle.draft.config import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS
 from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY
+from lightning_eagle.draft.materialize import build_on_meta, materialize
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.features.teacher_head import TeacherHead
 from lightning_eagle.k3.config import text_config_from_dict
 from lightning_eagle.k3.loader import config_fingerprint, resolve_target_path
 from lightning_eagle.k3.model import KimiK3ForCausalLM
+from lightning_eagle.parallel.dense_shard import gathered_weight
 from lightning_eagle.parallel.layout import TargetParallelism, target_parallelism
 from lightning_eagle.parallel.validate import validate_target_config
 from lightning_eagle.training.loss import soft_cross_entropy
 from lightning_eagle.training.loss import step_weights as default_step_weights
 from lightning_eagle.training.metrics import TTTMetrics
+from lightning_eagle.training.resume import MICRO_BATCH_ROWS_KEY, micro_batch_rows, rescale_epoch_progress
 from lightning_eagle.training.schedule import warmup_cosine
 from lightning_eagle.training.shift import shift_left
 from lightning_eagle.training.teacher import Teacher
@@ -74,8 +77,9 @@ def load_frozen_target(
     expert_range = parallelism.expert_range(num_experts)  # refuses an unsplittable expert count before any read
     device = owner._trainer.strategy.root_device if owner._trainer is not None else torch.device("cpu")
     target = KimiK3ForCausalLM.from_pretrained(
-        target_path, dtype=DTYPES[dtype], device=device, expert_range=expert_range, expert_storage=expert_storage
-    )
+        target_path, dtype=DTYPES[dtype], device=device, expert_range=expert_range, expert_storage=expert_storage,
+        shard=parallelism.dense_sharding(),
+    )  # fmt: skip
     return parallelism.parallelize_target(target)
 
 
@@ -117,7 +121,9 @@ class Eagle3Module(pl.LightningModule):
         aux_stream: ``"prefix"`` (default; what the reference and public K3 drafts use) or ``"mixed"``.
         ttt_steps / step_decay: TTT unroll length K and step weight decay (loss = Σ decay^k L_k / Σ decay^k).
         draft: overrides of draft config fields (e.g. ``{"intermediate_size": 4096, "fc_norm": true}``).
-        attention_backend: TTT attention (``"eager"`` naive twin, ``"flash_lse"`` efficient).
+        attention_backend: TTT attention: ``"auto"`` (per device: ``flex_attention`` on CUDA with Triton, else
+            ``sdpa_mask``; ``flash_lse`` on CPU), or one by name: ``"eager"`` (the naive twin), ``"flash_lse"``,
+            ``"sdpa_mask"``, ``"flex_attention"``.
         draft_activation_checkpointing: recompute each TTT step's activations in the backward (less memory at
             long T and K, one more draft forward per step; loss and gradients unchanged).
         draft_init_seed: seeds the draft's random init (identical on every rank, independent of the global RNG).
@@ -141,7 +147,7 @@ class Eagle3Module(pl.LightningModule):
         ttt_steps: int = DEFAULT_TTT_STEPS,
         step_decay: float = DEFAULT_STEP_DECAY,
         draft: dict[str, Any] | None = None,
-        attention_backend: str = "eager",
+        attention_backend: str = "auto",
         draft_activation_checkpointing: bool = False,
         draft_init_seed: int = 0,
         target_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16",
@@ -199,7 +205,7 @@ class Eagle3Module(pl.LightningModule):
         trainer's data module; outside a trainer pass ``vocab_mapping``."""
         if self.draft is not None:  # called once per stage (fit/validate/…): idempotent
             return
-        device = self._root_device()
+        device, hp = self._root_device(), self.hparams
         if self.hparams.target_source == "features":
             head = TeacherHead.from_checkpoint(self.target_path, prenorm=self._features_prenorm(), dtype=torch.float32)
             self.teacher_head = head.to(device=device, dtype=DTYPES[self.hparams.target_dtype])
@@ -212,13 +218,14 @@ class Eagle3Module(pl.LightningModule):
             embedding = self.target.model.embed_tokens.weight
         mapping = vocab_mapping if vocab_mapping is not None else self._vocab_mapping()
         self.draft_config = self._draft_config(None if mapping is None else int(mapping.selected.numel()))
-        with torch.random.fork_rng(devices=[]):  # every rank (and every rerun) starts from the same draft
-            torch.manual_seed(self.hparams.draft_init_seed)
-            draft = KimiK3Eagle3Draft(self.draft_config, attention_backend=self.hparams.attention_backend)
-        draft.copy_embeddings_from(embedding)
-        if mapping is not None:
-            draft.set_vocab_mapping(mapping.selected)
-        self.draft = draft.to(device=device, dtype=DTYPES[self.hparams.draft_dtype])
+        # Built on meta and allocated once on the device in its training dtype: no full fp32 host copy. Initial values
+        # depend only on (draft_init_seed, parameter name): every rank and every rerun starts from the same draft.
+        draft = build_on_meta(lambda: KimiK3Eagle3Draft(self.draft_config, attention_backend=hp.attention_backend))
+        materialize(draft, device, DTYPES[hp.draft_dtype], hp.draft_init_seed, skip=["embed_tokens.weight"])
+        draft.copy_embeddings_from(embedding)  # from the target (gathered if sharded), cast on the device
+        selected = mapping.selected if mapping is not None else torch.arange(self.draft_config.draft_vocab_size)
+        draft.set_vocab_mapping(selected)
+        self.draft = draft
 
     def _features_manifest(self) -> dict[str, Any] | None:
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
@@ -340,12 +347,19 @@ class Eagle3Module(pl.LightningModule):
             aux_hidden_states,
             final_hidden=shift_left(final_hidden),
             lm_head_weight=lm_head_weight,
-            teacher_fn=self.compute_teacher,
+            teacher_fn=self._teacher_with_full_head,
             draft_step_fn=self.draft_step,
             step_loss_fn=self.step_loss,
             step_weights_fn=self.step_weights,
             return_argmax=return_argmax,
         )
+
+    def _teacher_with_full_head(self, draft, loss_mask, **sources) -> Teacher:
+        """:meth:`compute_teacher` with the target's ``lm_head`` gathered for its duration (dense-sharded target)."""
+        if self.target is None or sources.get("lm_head_weight") is None:
+            return self.compute_teacher(draft, loss_mask, **sources)
+        with gathered_weight(self.target.lm_head) as weight:
+            return self.compute_teacher(draft, loss_mask, **{**sources, "lm_head_weight": weight})
 
     def _log_step(self, prefix: str, out: TTTOutput, batch_size: int, on_step: bool) -> None:
         values = {f"{prefix}/ploss_{k}": v.detach() for k, v in enumerate(out.per_step_loss)}
@@ -490,6 +504,7 @@ class Eagle3Module(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_CONFIG_KEY] = self.draft_config.to_dict()
         checkpoint[TARGET_FINGERPRINT_KEY] = self.target_fingerprint
+        checkpoint[MICRO_BATCH_ROWS_KEY] = micro_batch_rows(self.trainer)
         # Rank 0's generators (the only checkpoint written): resumed ranks continue from the same random streams.
         checkpoint[RNG_STATES_KEY] = rng_states_to_checkpoint(
             _collect_rng_states(include_cuda=torch.cuda.is_available())
@@ -505,3 +520,5 @@ class Eagle3Module(pl.LightningModule):
                 f"the checkpoint was trained against another target (config fingerprint {saved}, this target "
                 f"{self.target_fingerprint} at {self.target_path})"
             )
+        if self._trainer is not None:  # another world size or batch size: loop counters in this run's micro-batches
+            rescale_epoch_progress(checkpoint, micro_batch_rows(self.trainer))

@@ -155,6 +155,18 @@ def test_refusal_leaves_nothing_behind(make_draft, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "name", ["Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM", "LlamaForCausalLMEagle3", "MyDraft"]
+)
+def test_k3_draft_refuses_engine_names_and_points_to_deepseek_mla(make_draft, tmp_path, name):
+    """The K3-faithful draft is only ever written as Eagle3KimiK3ForCausalLM (§14.2): an engine head would skip
+    g_proj with a warning and serve another function. The message names the variant engines do serve."""
+    with pytest.raises(ValueError, match=r"K3-faithful draft .*Eagle3KimiK3ForCausalLM.*architecture: deepseek_mla"):
+        export_draft(make_draft(), tmp_path / "out", architecture=name)
+    assert list(tmp_path.iterdir()) == []
+    export_draft(make_draft(), tmp_path / "own", architecture="Eagle3KimiK3ForCausalLM")  # its own name is fine
+
+
 def test_write_is_atomic(make_draft, tmp_path, monkeypatch):
     draft = make_draft()
 

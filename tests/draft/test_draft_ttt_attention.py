@@ -1,5 +1,6 @@
 """TTT attention backends (§4.2, §8): eager == a naive per-slot loop; flash_lse == eager in forward *and* backward
-(q, every cached K/V), with both block kernels and d_qk ≷ d_v; flash_lse keeps no [B,n,T,T+k] tensor for backward."""
+(q, every cached K/V), with both block kernels and d_qk ≷ d_v; flash_lse keeps no [B,n,T,T+k] tensor for backward.
+The concatenated-key backends (sdpa_mask, flex_attention) and ``auto`` are in ``test_draft_ttt_fused_attention.py``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import torch
 
 from lightning_eagle.draft import TTTCache
 from lightning_eagle.draft.block_attention import ChunkedKernel, CpuFlashKernel
-from lightning_eagle.draft.ttt_attention import eager_ttt_attention, flash_lse_ttt_attention
+from lightning_eagle.draft.ttt_attention import (
+    eager_ttt_attention,
+    flash_lse_ttt_attention,
+    get_ttt_attention,
+    ttt_attention_backends,
+)
 
 B, N, T = 2, 3, 7
 
@@ -61,6 +67,12 @@ def assert_same(a, b, atol):
     torch.testing.assert_close(out_a, out_b, rtol=0, atol=atol)
     for i, (ga, gb) in enumerate(zip(grads_a, grads_b)):
         torch.testing.assert_close(ga, gb, rtol=0, atol=atol, msg=lambda m, i=i: f"gradient {i}: {m}")
+
+
+def test_registry():
+    assert ttt_attention_backends() == ["auto", "eager", "flash_lse", "flex_attention", "sdpa_mask"]
+    with pytest.raises(ValueError, match="unknown TTT attention backend 'flex'"):
+        get_ttt_attention("flex")
 
 
 @pytest.mark.parametrize("steps", [0, 1, 3])

@@ -68,6 +68,15 @@ def test_module_chunk_vs_naive_with_masks_forward_and_backward():
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-4, atol=1e-5 * pb.grad.abs().max().item(), msg=name)
 
 
+def test_auto_is_the_chunked_path_where_fla_cannot_run(monkeypatch):
+    """Without fla (CPU), ``auto`` is ``chunk`` and never reads the KDA check record (`check_kda.py`)."""
+    from lightning_eagle.k3 import check_kda
+
+    monkeypatch.setattr(check_kda, "passed_kda_backends", lambda device: pytest.fail("record consulted"))
+    x = torch.randn(2, 19, 128)
+    torch.testing.assert_close(_kda(backend="auto")(x), _kda(backend="chunk")(x), rtol=0, atol=0)
+
+
 def test_decay_is_bounded_and_A_log_is_per_head():
     layer = _kda()
     assert layer.A_log.shape == (3,)

@@ -32,6 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_eagle import Eagle3Module
 from lightning_eagle.data import ChatDataModule
+from lightning_eagle.parallel.dense_shard import dense_bytes_held
 from lightning_eagle.parallel.dispatcher import TorchExpertDispatcher
 from lightning_eagle.parallel.shard import moe_layers, routed_expert_bytes
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
@@ -130,6 +131,7 @@ class Report(pl.Callback):
             "lr": optimizer.param_groups[0]["lr"],
             "experts": [(m.experts.start, m.experts.count) for m in layers],
             "expert_bytes": routed_expert_bytes(module.target),
+            "dense_bytes": dense_bytes_held(module.target),
             "dispatch_is_strategy_dispatcher": [m.dispatch is trainer.strategy.dispatcher for m in layers],
             "dispatch": [type(m.dispatch).__name__ for m in layers],
         }
@@ -230,6 +232,14 @@ def test_each_rank_holds_half_of_the_experts_and_the_dispatcher_on_every_moe_lay
         assert report["dispatch"] == [TorchExpertDispatcher.__name__] * NUM_MOE_LAYERS
         assert report["dispatch_is_strategy_dispatcher"] == [True] * NUM_MOE_LAYERS
     assert TorchExpertDispatcher.__name__ not in single["dispatch"]  # world size 1 keeps the local dispatch
+
+
+def test_dense_target_weights_are_sharded_by_default_over_two_ranks(runs):
+    """``target_shard_dense`` defaults to on for world > 1: each rank holds half of the dense bytes (± the few
+    replicated root norms); one process holds them all. The fit equivalence below therefore runs sharded."""
+    (single,) = runs["one"]
+    for report in runs["ep2"]:
+        assert abs(report["dense_bytes"] - single["dense_bytes"] / 2) < 0.01 * single["dense_bytes"]
 
 
 def test_ranks_train_on_disjoint_rows_paired_like_the_accumulating_single_rank(runs):

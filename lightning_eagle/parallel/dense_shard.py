@@ -1,0 +1,89 @@
+"""Shard the frozen K3 target's dense (non-routed) weights over every rank with FSDP2, gathered layer by layer.
+
+At real scale the non-routed weights (embedding, ``lm_head``, attention/KDA projections, norms, dense MLP, router,
+latent projections, shared experts) are ≈ 113 GB in bf16: replicated, they do not fit an 80 GB GPU. Here each of
+them is split along dim 0 over the whole world (``fully_shard`` with a 1-D mesh of all ranks), and each FSDP unit is
+gathered just before its forward and freed right after it (``reshard_after_forward=True``): a rank holds ``1/world``
+of the dense weights plus one unit's full weights at a time. The target has no gradients, so no reduce-scatter ever
+runs.
+
+Units: every decoder layer, the embedding and ``lm_head`` (each called as a module, so FSDP's hooks gather them).
+Routed experts are *ignored* by FSDP: they are already expert-parallel (different on every EP rank). The few
+root-level weights (final norm, the AttnRes output mixer; a few ``H``-vectors) stay replicated: they are read by
+``capture``/incremental decoding outside any module call that FSDP could hook.
+
+``lm_head.weight`` is also read directly by the chunked teacher; :func:`gathered_weight` gathers it for that use.
+The loader (``KimiK3ForCausalLM.from_pretrained(..., dense_mesh=mesh)``) shards the meta-device model *before*
+materialising it and reads only each rank's rows of every dense tensor from the safetensors files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from lightning_eagle.k3.experts import RoutedExperts
+
+
+def dense_units(model: nn.Module) -> list[nn.Module]:
+    """The FSDP units of a ``KimiK3ForCausalLM``: each decoder layer, the embedding, ``lm_head``."""
+    return [*model.model.layers, model.model.embed_tokens, model.lm_head]
+
+
+def shard_dense_weights(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Apply ``fully_shard`` to every dense unit of ``model`` (typically still on the meta device), routed experts
+    ignored. Refuses tied embeddings: one tensor cannot belong to two units."""
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise NotImplementedError(
+            "target_shard_dense with tie_word_embeddings=True is not supported (K3 unties them); "
+            "set target_shard_dense=false"
+        )
+    for unit in dense_units(model):
+        experts = [p for m in unit.modules() if isinstance(m, RoutedExperts) for p in m.parameters(recurse=False)]
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True, ignored_params=set(experts) or None)
+    return model
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, DTensor)
+
+
+@contextmanager
+def gathered_weight(module: nn.Module) -> Iterator[torch.Tensor]:
+    """``module.weight`` in full for the duration of the block (an all-gather if the module is an FSDP unit)."""
+    if not isinstance(module, FSDPModule):
+        yield module.weight
+        return
+    module.unshard()
+    try:
+        yield module.weight
+    finally:
+        module.reshard()
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor with all of ``tensor``'s values (a collective for a sharded one)."""
+    return tensor.full_tensor() if is_sharded(tensor) else tensor
+
+
+def has_sharded_trainable_parameters(module: nn.Module | None) -> bool:
+    """Whether the *trained* parameters (the draft's) are FSDP-sharded; a sharded frozen target does not count (its
+    weights are never checkpointed)."""
+    return module is not None and any(is_sharded(p) for p in module.parameters() if p.requires_grad)
+
+
+def dense_bytes_held(model: nn.Module) -> int:
+    """Bytes of the dense (non-routed) parameters this rank holds now (its shards, or full replicated tensors)."""
+    experts = {id(p) for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters(recurse=False)}
+    total = 0
+    for p in model.parameters():
+        if id(p) not in experts:
+            local = p.to_local() if is_sharded(p) else p
+            total += local.numel() * local.element_size()
+    return total

@@ -1,0 +1,45 @@
+"""Resume a mid-epoch checkpoint on another layout (world size × batch size), e.g. 4 ranks → 1 rank with
+``accumulate_grad_batches=4``.
+
+Rows are invariant across layouts: the resumable sampler records how many rows the whole world has consumed, and
+restarts every rank after them. Lightning's loop counters are not: they count this rank's *micro-batches* in the
+epoch, and decide optimizer steps (``ready % accumulate_grad_batches``) and the epoch's end from them. A checkpoint
+from 4 ranks at step 1 says "1 micro-batch done"; one rank accumulating 4 must read that as 4. So the checkpoint
+records the rows one micro-batch takes over the whole world, and a resume under a different value rescales the epoch
+counters before Lightning restores them (same rows consumed ⇒ same micro-batches done, in the new unit).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MICRO_BATCH_ROWS_KEY = "eagle_micro_batch_rows"
+_BATCH_PROGRESS = "epoch_loop.batch_progress"
+
+
+def micro_batch_rows(trainer) -> int | None:
+    """Rows one micro-batch takes over the whole world (None when the data module does not say its batch size)."""
+    batch_size = getattr(getattr(trainer, "datamodule", None), "batch_size", None)
+    return None if batch_size is None else int(batch_size) * trainer.world_size
+
+
+def rescale_epoch_progress(checkpoint: dict[str, Any], current_rows: int | None) -> None:
+    """Rewrite ``checkpoint``'s micro-batch counters in place for a run whose micro-batch takes ``current_rows``."""
+    saved_rows = checkpoint.get(MICRO_BATCH_ROWS_KEY)
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get(_BATCH_PROGRESS)
+    if saved_rows is None or current_rows is None or saved_rows == current_rows or progress is None:
+        return
+    done = progress["current"]["ready"]  # saved at a batch end: ready = started = processed = completed + 1
+    rows = done * saved_rows
+    if rows % current_rows:
+        raise ValueError(
+            f"cannot resume this checkpoint here: it stopped after {rows} rows of the epoch ({done} micro-batches of "
+            f"{saved_rows} rows over the world), which is not a whole number of this run's micro-batches "
+            f"({current_rows} rows = world size × batch size); resume with a layout whose world size × batch size "
+            f"divides {rows}"
+        )
+    shift = rows // current_rows - done
+    for counters in (progress["current"], progress["total"]):
+        for field in ("ready", "started", "processed", "completed"):
+            counters[field] += shift
+    checkpoint[MICRO_BATCH_ROWS_KEY] = current_rows

@@ -1,0 +1,386 @@
+"""The per-rank memory plan (:mod:`lightning_eagle.parallel.memory_plan`) against what the code really allocates.
+
+Two checks of different strength:
+
+* **Census on the meta device (exact, any size).** The real draft unroll (``ttt_loss`` forward + backward) runs on
+  meta tensors under a dispatch mode that records every storage an op creates and watches it through a weak
+  reference: live bytes after each op are exactly what the caching allocator would have to hold (no fragmentation,
+  no rounding). The plan's "kept after the forward" must equal it and its unroll peak must be within 3 %, at the
+  real K3 widths too. Meta runs the device-agnostic kernels, i.e. the CUDA flavour of the plan.
+* **Measured on CPU (15 %).** A fresh subprocess builds a tiny (quickstart-like) or medium K3 target and draft, runs
+  one warm-up training step (allocating gradients and AdamW states), then measures with the kernel's peak-RSS
+  counter: ``/proc/self/clear_refs`` ← ``5`` resets ``VmHWM`` to the current RSS, so ``VmHWM − VmRSS(before)`` is
+  the peak growth of one phase, free of import and build transients. glibc is told to ``mmap`` every allocation
+  ≥ 64 KiB (``MALLOC_MMAP_THRESHOLD_``) so that freed tensors leave the RSS at once, and ``malloc_trim`` runs before
+  each baseline. Error bars: RSS counts 4 KiB pages (touched pages only; every tensor here is written in full), and
+  small Python/allocator bookkeeping (a few MB) lands in the measurement — for the medium run that is ≲ 2 %; for the
+  tiny run the parameter bytes (~6 MB) are at the noise level, so its weights are compared exactly instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
+from lightning_eagle.k3 import config_from_name
+from lightning_eagle.parallel import memory_plan as mp
+from lightning_eagle.parallel.memory import _SkipInit
+
+GB = 1e9
+REPO = Path(__file__).resolve().parents[2]
+
+# ---- run specs shared by the plan and the measuring subprocess -----------------------------------------------------
+TINY = {  # lightning_eagle/configs/quickstart.yaml: k3-tiny, fp32, eager, B=8, T=256, K=7, N_d=320, MLP 256
+    "target": "k3-tiny", "target_overrides": {}, "draft_overrides": {"intermediate_size": 256},
+    "aux": [1, 3, 5], "N_d": 320, "B": 8, "T": 256, "K": 7, "dtype": "float32", "draft_dtype": "float32",
+    "backend": "eager", "ckpt": False, "storage": "dequantized",
+}  # fmt: skip
+MEDIUM = {  # a wider k3-tiny (every K3 structure, MXFP4 experts), bf16, flash_lse: hundreds of MB per phase
+    "target": "k3-tiny",
+    "target_overrides": {
+        "hidden_size": 384, "intermediate_size": 4096, "vocab_size": 2048, "num_attention_heads": 6,
+        "num_key_value_heads": 6, "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16, "v_head_dim": 32, "linear_attn_config": {"num_heads": 8, "head_dim": 64},
+        "moe_intermediate_size": 512, "routed_expert_hidden_size": 512, "num_experts_per_token": 4,
+        "max_position_embeddings": 2048,
+    },
+    "draft_overrides": {"intermediate_size": 2048},
+    "aux": [1, 3, 5], "N_d": 1024, "B": 2, "T": 512, "K": 4, "dtype": "bfloat16", "draft_dtype": "bfloat16",
+    "backend": "flash_lse", "ckpt": False, "storage": "mxfp4",
+}  # fmt: skip
+
+
+def plan_inputs(spec: dict) -> mp.PlanInputs:
+    target = config_from_name(spec["target"], **spec["target_overrides"])
+    draft = Eagle3DraftConfig.from_target_config(
+        target, **spec["draft_overrides"], aux_layer_ids=spec["aux"], draft_vocab_size=spec["N_d"],
+        ttt_steps=spec["K"],
+    )  # fmt: skip
+    return mp.PlanInputs(
+        target=target, draft=draft, target_dtype=getattr(torch, spec["dtype"]),
+        draft_dtype=getattr(torch, spec["draft_dtype"]), expert_storage=spec["storage"], batch_size=spec["B"],
+        seq_len=spec["T"], ttt_steps=spec["K"], attention_backend=spec["backend"],
+        activation_checkpointing=spec["ckpt"], accumulate_grad_batches=2, device="cpu", reserve_bytes=0,
+        aux_layer_ids=tuple(spec["aux"]),
+    )  # fmt: skip
+
+
+# ---- the measuring subprocess ----------------------------------------------------------------------------------------
+def _measure(spec: dict) -> dict:
+    """One warm-up step, then the peak RSS growth of the target forward alone, of one MoE layer and of a whole
+    training step; weights as the RSS growth of building the models plus what freeing gradients and states returns."""
+    import ctypes
+    import gc
+    from functools import partial
+
+    from lightning_eagle.k3 import KimiK3ForCausalLM
+    from lightning_eagle.training.shift import shift_left
+    from lightning_eagle.training.teacher import compute_teacher
+    from lightning_eagle.training.ttt import checkpointed_draft_step, draft_step, ttt_loss
+
+    torch.set_num_threads(1)
+    libc = ctypes.CDLL("libc.so.6")
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss() -> int:
+        gc.collect()
+        libc.malloc_trim(0)
+        return int(Path("/proc/self/statm").read_text().split()[1]) * page
+
+    def reset_peak() -> None:
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def peak() -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM"))
+        return int(line.split()[1]) * 1024
+
+    inputs = plan_inputs(spec)
+    B, T, V = inputs.batch_size, inputs.seq_len, inputs.target.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    ones = torch.ones(B, T, dtype=torch.long)
+    base = rss()
+    target = KimiK3ForCausalLM(inputs.target, expert_storage=inputs.expert_storage).init_weights(0)
+    target = target.cast_to(inputs.target_dtype).freeze()
+    draft = KimiK3Eagle3Draft(inputs.draft, attention_backend=inputs.attention_backend)
+    draft.copy_embeddings_from(target.model.embed_tokens.weight)
+    draft = draft.to(inputs.draft_dtype)
+    params = rss() - base  # before any forward: the first call of each kernel leaves lazy global state behind
+    tensors = [*target.parameters(), *target.buffers(), *draft.parameters(), *draft.buffers()]
+    param_tensor_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95))
+    teacher = partial(compute_teacher, vocab_chunk=inputs.teacher_vocab_chunk, seq_chunk=inputs.teacher_seq_chunk)
+    step_fn = checkpointed_draft_step if inputs.activation_checkpointing else draft_step
+
+    def capture():
+        with torch.no_grad():
+            return target.capture(ids, ones, aux_layer_ids=list(inputs.taps))
+
+    def training_step() -> None:
+        cap = capture()
+        out = ttt_loss(
+            draft, shift_left(ids), ones, shift_left(ones), cap.aux_hidden_states,
+            final_hidden=shift_left(cap.final_hidden), lm_head_weight=target.lm_head.weight, teacher_fn=teacher,
+            draft_step_fn=step_fn,
+        )  # fmt: skip
+        del cap
+        out.loss.backward()
+        del out
+        grads = [p.grad for p in draft.parameters() if p.grad is not None]  # Eagle3Module's grad-norm logging
+        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        optimizer.step()  # gradients are kept: the next micro-batch accumulates into them
+
+    training_step()  # allocates gradients and AdamW states, warms every kernel
+    before = rss()
+    reset_peak()
+    cap = capture()
+    target_forward = peak() - before
+    del cap
+    x = torch.randn(B, T, inputs.target.hidden_size, generator=gen).to(inputs.target_dtype)
+    moe = next(layer.block_sparse_moe for layer in target.model.layers if hasattr(layer, "block_sparse_moe"))
+    before = rss()
+    reset_peak()
+    with torch.no_grad():
+        moe(x)
+    moe_layer = peak() - before
+    del x
+    before = rss()
+    reset_peak()
+    training_step()
+    step = peak() - before
+    # Gradients and AdamW states, measured by freeing them (they were allocated among the warm-up's kernel state).
+    before = rss()
+    optimizer.state.clear()
+    for p in draft.parameters():
+        p.grad = None
+    weights = params + before - rss()
+    return {
+        "weights": weights,
+        "target forward": target_forward,
+        "MoE layer": moe_layer,
+        "step": step,
+        "total": weights + step,
+        "param tensor bytes": param_tensor_bytes,
+    }
+
+
+def measure(specs: list[dict]) -> list[dict]:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, __file__, json.dumps(specs)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# ---- the draft unroll against an exact census on the meta device ---------------------------------------------------
+class LiveBytes(TorchDispatchMode):
+    """Every storage an op creates, watched through a weak reference: live bytes after each op, and their peak."""
+
+    def __init__(self, ignore: set[int]) -> None:
+        super().__init__()
+        self.ignore, self.refs, self.peak = ignore, {}, 0
+
+    def live(self) -> int:
+        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
+        return sum(n for _, n in self.refs.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage._cdata not in self.refs and storage._cdata not in self.ignore:
+                    self.refs[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak = max(self.peak, self.live())
+        return out
+
+
+def census(inputs: mp.PlanInputs) -> tuple[int, int]:
+    """(bytes kept after the unroll's forward, peak during forward + backward) of the real ``ttt_loss`` on meta, in the
+    steady state of gradient accumulation (``.grad`` already allocated; not counted, like the inputs)."""
+    from lightning_eagle.training.teacher import Teacher
+    from lightning_eagle.training.ttt import checkpointed_draft_step, draft_step, ttt_loss
+
+    with torch.device("meta"), _SkipInit():
+        draft = KimiK3Eagle3Draft(inputs.draft, attention_backend=inputs.attention_backend).to(inputs.draft_dtype)
+        for p in draft.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        B, T, N_d = inputs.batch_size, inputs.seq_len, inputs.draft.draft_vocab_size
+        ids, ones = torch.zeros(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.long)
+        aux = torch.zeros(B, T, 3 * inputs.target.hidden_size, dtype=inputs.target_dtype)
+        teacher = Teacher(torch.zeros(B, T, N_d), torch.zeros(B, T, dtype=torch.bool), ids)
+    existing = [*draft.parameters(), *draft.buffers(), *(p.grad for p in draft.parameters() if p.grad is not None)]
+    existing += [ids, ones, aux, teacher.probs, teacher.pos]
+    mode = LiveBytes({t.untyped_storage()._cdata for t in existing})
+    step = checkpointed_draft_step if inputs.activation_checkpointing else draft_step
+    with mode:
+        out = ttt_loss(draft, ids, ones, ids, aux, teacher=teacher, ttt_steps=inputs.ttt_steps, draft_step_fn=step)
+        kept = mode.live()
+        out.loss.backward()
+    return kept, mode.peak
+
+
+def k3_inputs(**changes) -> mp.PlanInputs:
+    target = config_from_name("k3")
+    steps = changes.get("ttt_steps", 7)
+    draft = Eagle3DraftConfig.from_target_config(target, draft_vocab_size=32000, ttt_steps=steps)
+    return replace(mp.PlanInputs(target=target, draft=draft), **changes)
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        pytest.param(lambda: k3_inputs(seq_len=2048, ttt_steps=4, activation_checkpointing=True), id="k3-bf16-ckpt"),
+        pytest.param(lambda: k3_inputs(seq_len=256, ttt_steps=3, draft_dtype=torch.float32), id="k3-fp32-buffers"),
+        pytest.param(lambda: replace(plan_inputs(TINY), device="cuda"), id="quickstart-eager"),
+    ],
+)
+def test_unroll_terms_match_the_census_of_the_real_unroll(inputs):
+    inputs = inputs()
+    kept, peak = census(inputs)
+    d = mp.DraftDims.of(inputs)
+    shared = mp.unroll_shared_saved(d, inputs.target_dtype, inputs.draft_dtype)
+    planned = mp.unroll_peak(d, inputs.activation_checkpointing, shared, mp.draft_shapes(inputs.draft))
+    assert planned.kept_after_forward == pytest.approx(kept, rel=0.005)  # flash_lse: exact; eager: within 0.5 %
+    assert planned.peak == pytest.approx(peak, rel=0.03)
+
+
+# ---- measured on CPU -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_plan_matches_peak_memory_measured_on_cpu():
+    """Tiny (quickstart) and medium runs in one subprocess (~35 s on a busy 2-core machine). Last measured, MB
+    (plan / measured): tiny — target forward 26.1 / 24.9, step 344 / 354, total 353 / 367; medium — weights 85.0 /
+    85.3, target forward 122 / 121, one MoE layer 77.5 / 78.9, step 334 / 330, total 419 / 415."""
+    measured = measure([TINY, MEDIUM])
+    for spec, got in zip((TINY, MEDIUM), measured):
+        plan = mp.build_plan(plan_inputs(spec))
+        N, s = spec["B"] * spec["T"], plan.inputs.target_dtype.itemsize
+        predicted = {
+            "target forward": plan.phase_bytes("target forward"),  # the capture alone, on top of the weights
+            "step": plan.phase_bytes(plan.peak_phase),  # one training step, on top of weights, grads and states
+            "total": plan.peak_bytes,
+        }
+        if spec is MEDIUM:  # tiny: its ~6 MB of parameters and ~8 MB MoE layer are at the RSS noise level
+            predicted["weights"] = plan.resident_bytes  # parameters, gradients, AdamW states
+            predicted["MoE layer"] = mp.moe_layer_ws(plan.inputs, N)[0] + N * plan.inputs.target.hidden_size * s
+        assert got["step"] > (3e8 if spec is MEDIUM else 1e8)  # far above the noise
+        for key, value in predicted.items():
+            assert value == pytest.approx(got[key], rel=0.15), (spec["target"], key, value, got[key])
+        weights = [t for t in plan.terms if t.name in ("target dense weights", "target routed experts")]
+        params = sum(t.nbytes for t in weights) + plan.term("draft parameters").nbytes
+        assert params == got["param tensor bytes"]  # exact: the counts come from the real modules
+
+
+# ---- real K3 ---------------------------------------------------------------------------------------------------------
+def test_real_k3_dense_shards_and_the_config_numbers():
+    from lightning_eagle.parallel.memory import target_shapes
+
+    shapes = target_shapes(config_from_name("k3"))
+    full = shapes.dense_bytes(torch.bfloat16)
+    assert full / GB == pytest.approx(113.5, rel=0.005)
+    assert shapes.dense_held_bytes(torch.bfloat16, 64, sharded=True) == pytest.approx(full / 64, rel=0.01)
+    assert shapes.dense_held_bytes(torch.bfloat16, 64, sharded=False) == full
+    run = mp.run_config_from_yaml("kimi_k3_eagle3", target_config="k3")
+    assert (run.inputs.world, run.inputs.ep, run.inputs.dense_sharded) == (64, 64, True)
+    plan = mp.build_plan(run.inputs)
+    # The numbers the config header states.
+    assert round(plan.peak_bytes / GB, 1) == 62.5 and plan.peak_phase == "draft unroll"
+    h200 = mp.run_config_from_yaml("kimi_k3_eagle3_141gb", target_config="k3").inputs
+    assert (h200.world, h200.ep, h200.dense_sharded) == (32, 32, True)
+    assert round(mp.build_plan(h200).peak_bytes / GB, 1) == 86.9
+    assert round(mp.build_plan(replace(h200, world=16, ep=16)).peak_bytes / GB, 1) == 135.6
+
+
+# ---- the command line ------------------------------------------------------------------------------------------------
+def run_cli(capsys, *args: str) -> tuple[int, list[str], str]:
+    code = mp.main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out.strip().splitlines(), captured.err
+
+
+def test_cli_fits_and_does_not_fit(capsys):
+    code, lines, _ = run_cli(capsys, "--config", "quickstart", "--gpu-gb", "80")
+    assert code == 0 and lines[-1].startswith("fits: peak 4.4 GB of 80 GB per GPU (margin 75.6 GB)")
+    assert any(line.startswith("draft unroll") and "TTT K/V cache" in line for line in lines)
+    code, lines, _ = run_cli(capsys, "--config", "kimi_k3_eagle3", "--target-config", "k3", "--world", "8",
+                             "--ep", "8", "--max-nodes", "8")  # fmt: skip
+    assert code == 0 and lines[-1].startswith("does not fit: peak ")
+    assert lines[-1].endswith("smallest fit: 7 nodes x 8 GPUs (world 56) with expert_parallel_size 56 (peak 66.0 GB)")
+
+
+def test_cli_target_fallback_is_stated(capsys):
+    code, _, err = run_cli(capsys, "--config", "kimi_k3_eagle3")
+    assert code == 2 and err.startswith("error: model.target:") and "--target-config" in err and "'k3'" in err
+    code, lines, _ = run_cli(capsys, "--config", "kimi_k3_eagle3", "--target-config", "k3")
+    assert code == 0 and lines[0].startswith("note: model.target '/checkpoints/moonshotai/Kimi-K3' is not here")
+    assert "--target-config preset 'k3'" in lines[0]
+    assert lines[-1].startswith("fits: peak 62.5 GB of 80 GB per GPU")
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda c: c["data"].update(max_length=-1), "data.max_length"),
+        (lambda c: c["model"].update(target_dtype="float8"), "model.target_dtype"),
+        (lambda c: c["trainer"].update(devices="auto"), "trainer.devices"),
+        (lambda c: c["model"].update(attention_backend="sdpa_mask"), "model.attention_backend"),
+        (lambda c: c["trainer"]["strategy"]["init_args"].update(expert_parallel_size=48),
+         "trainer.strategy.init_args.expert_parallel_size"),
+    ],
+)  # fmt: skip
+def test_cli_bad_config_names_the_field(capsys, tmp_path, edit, field):
+    import yaml
+
+    config = yaml.safe_load((REPO / "lightning_eagle" / "configs" / "kimi_k3_eagle3.yaml").read_text())
+    edit(config)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    code, lines, err = run_cli(capsys, "--config", str(path), "--target-config", "k3")
+    assert code == 2 and lines == [] and err.startswith(f"error: {field}: ")
+
+
+def test_dense_sharding_and_draft_sharding_defaults(tmp_path):
+    import yaml
+
+    config = yaml.safe_load((REPO / "lightning_eagle" / "configs" / "kimi_k3_eagle3.yaml").read_text())
+    del config["trainer"]["strategy"]["init_args"]["target_shard_dense"]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    inputs = mp.run_config_from_yaml(path, target_config="k3").inputs
+    assert inputs.dense_sharded and not inputs.draft_shard  # the strategy's default: on when world > 1
+    alone = mp.run_config_from_yaml(path, target_config="k3", world=1, ep=1).inputs
+    assert not alone.dense_sharded
+    forced = mp.run_config_from_yaml(path, target_config="k3", shard_dense=False).inputs
+    assert not forced.dense_sharded
+
+
+def test_packaged_k3_configs_parse(capsys):
+    import yaml
+
+    from lightning_eagle.cli import main
+
+    for name, nodes, ep in (("kimi_k3_eagle3", 8, 64), ("kimi_k3_eagle3_141gb", 4, 32)):
+        with pytest.raises(SystemExit):
+            main(["fit", "--config", str(REPO / "configs" / f"{name}.yaml"), "--print_config"])
+        printed = yaml.safe_load(capsys.readouterr().out)
+        strategy = printed["trainer"]["strategy"]["init_args"]
+        assert (printed["trainer"]["num_nodes"], strategy["expert_parallel_size"]) == (nodes, ep)
+        assert strategy["target_shard_dense"] is True and printed["model"]["draft_activation_checkpointing"] is True
+
+
+if __name__ == "__main__":
+    print(json.dumps([_measure(spec) for spec in json.loads(sys.argv[1])]))
