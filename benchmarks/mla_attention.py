@@ -21,27 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
+from target_forward import median_time  # a sibling script: benchmarks/ is on sys.path when run as a script
 
 from lightning_eagle.ops.mla import causal_allowed_mask, eager_attention, sdpa_attention
 
 QK, V = 192, 128
 TWINS = {"eager": eager_attention, "sdpa": sdpa_attention}
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _status_kb(field: str) -> int:

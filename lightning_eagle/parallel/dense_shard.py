@@ -50,6 +50,18 @@ def shard_dense_weights(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
+def shard_draft(draft: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """FSDP2 over all ranks for the draft's trained parameters (``draft_shard``): ``fc`` (+ ``fc_norm``), the
+    decoder layer, the final norm and ``lm_head`` are units, each gathered for its forward and its backward; gradients
+    are reduce-scattered (averaged over the world) and AdamW states live only for each rank's shard. The frozen
+    embedding stays replicated (no gradient, no optimizer state; every rank looks tokens up locally)."""
+    units = [draft.fc, draft.midlayer, draft.norm, draft.lm_head]
+    units += list(getattr(draft, "fc_norm", None) or [])
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    return draft
+
+
 def is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 

@@ -192,8 +192,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh  # `self.device_mesh` inside configure_model
         if ep > 1:
             self._dispatcher = build_dispatcher(self._layout.target_dispatcher, self.expert_parallel_group)
-        if self._layout.dense_sharded:  # one flat mesh over every rank: the target's dense weights split world-wide
-            self._world_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("world",))
+        # One flat mesh over every rank: the target's dense weights (and an FSDP2-sharded draft) split world-wide.
+        self._world_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("world",))
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -228,13 +228,18 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self._refine(num_experts=num_experts)
         return expert_range(num_experts, self.ep_size, self.ep_rank)
 
+    @property
+    def world_mesh(self):
+        """A 1-D device mesh over all ranks (after ``setup_environment``): what FSDP2 shards over."""
+        if self._world_mesh is None:
+            raise RuntimeError("world_mesh needs the process group: use it after setup_environment()")
+        return self._world_mesh
+
     def dense_sharding(self) -> Callable[[nn.Module], object] | None:
         """FSDP2 over all ranks for the dense target weights (None when they are replicated)."""
         if not self._layout.dense_sharded:
             return None
-        if self._world_mesh is None:
-            raise RuntimeError("dense_sharding() needs the process group: call it after setup_environment()")
-        return partial(shard_dense_weights, mesh=self._world_mesh)
+        return partial(shard_dense_weights, mesh=self.world_mesh)
 
     def parallelize_target(self, target: nn.Module) -> nn.Module:
         """Install the dispatcher on every MoE layer (after checking each holds this rank's slice) and print the

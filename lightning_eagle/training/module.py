@@ -32,7 +32,7 @@ from lightning_eagle.features.teacher_head import TeacherHead
 from lightning_eagle.k3.config import text_config_from_dict
 from lightning_eagle.k3.loader import config_fingerprint, resolve_target_path
 from lightning_eagle.k3.model import KimiK3ForCausalLM
-from lightning_eagle.parallel.dense_shard import gathered_weight
+from lightning_eagle.parallel.dense_shard import gathered_weight, shard_draft
 from lightning_eagle.parallel.layout import TargetParallelism, target_parallelism
 from lightning_eagle.parallel.validate import validate_target_config
 from lightning_eagle.training.loss import soft_cross_entropy
@@ -51,6 +51,7 @@ warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode a
 
 TARGET_FINGERPRINT_KEY = "eagle_target_fingerprint"
 RNG_STATES_KEY = "eagle_rng_states"
+DRAFT_SHARDED_KEY = "eagle_draft_sharded"
 # Draft-config fields that are module arguments: the module's value is the only one (no second spelling in `draft`).
 MODULE_DRAFT_FIELDS = {
     "ttt_steps": "ttt_steps",
@@ -126,6 +127,9 @@ class Eagle3Module(pl.LightningModule):
             ``"sdpa_mask"``, ``"flex_attention"``.
         draft_activation_checkpointing: recompute each TTT step's activations in the backward (less memory at
             long T and K, one more draft forward per step; loss and gradients unchanged).
+        draft_shard: FSDP2-shard the draft's trained parameters, gradients and AdamW states over all ranks
+            (``ExpertParallelStrategy`` with more than one rank; the frozen embedding stays replicated). Checkpoints
+            then resume only with ``draft_shard`` on.
         draft_init_seed: seeds the draft's random init (identical on every rank, independent of the global RNG).
         target_dtype / draft_dtype: the target keeps its fp32 islands whatever ``target_dtype`` is.
         target_expert_storage: ``"mxfp4"`` keeps routed experts packed in memory (~3.8x less than bf16), decoded
@@ -149,6 +153,7 @@ class Eagle3Module(pl.LightningModule):
         draft: dict[str, Any] | None = None,
         attention_backend: str = "auto",
         draft_activation_checkpointing: bool = False,
+        draft_shard: bool = False,
         draft_init_seed: int = 0,
         target_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16",
         target_expert_storage: Literal["dequantized", "mxfp4"] = "dequantized",
@@ -225,7 +230,18 @@ class Eagle3Module(pl.LightningModule):
         draft.copy_embeddings_from(embedding)  # from the target (gathered if sharded), cast on the device
         selected = mapping.selected if mapping is not None else torch.arange(self.draft_config.draft_vocab_size)
         draft.set_vocab_mapping(selected)
+        if hp.draft_shard:
+            shard_draft(draft, self._world_mesh())
         self.draft = draft
+
+    def _world_mesh(self):
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if getattr(strategy, "world_size", 1) < 2 or not hasattr(strategy, "world_mesh"):
+            raise ValueError(
+                "draft_shard=True shards the draft over ranks: use ExpertParallelStrategy with more than one rank "
+                f"(got {type(strategy).__name__} with world size {getattr(strategy, 'world_size', 1)})"
+            )
+        return strategy.world_mesh
 
     def _features_manifest(self) -> dict[str, Any] | None:
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
@@ -505,6 +521,7 @@ class Eagle3Module(pl.LightningModule):
         checkpoint[CHECKPOINT_CONFIG_KEY] = self.draft_config.to_dict()
         checkpoint[TARGET_FINGERPRINT_KEY] = self.target_fingerprint
         checkpoint[MICRO_BATCH_ROWS_KEY] = micro_batch_rows(self.trainer)
+        checkpoint[DRAFT_SHARDED_KEY] = bool(self.hparams.draft_shard)
         # Rank 0's generators (the only checkpoint written): resumed ranks continue from the same random streams.
         checkpoint[RNG_STATES_KEY] = rng_states_to_checkpoint(
             _collect_rng_states(include_cuda=torch.cuda.is_available())
@@ -519,6 +536,13 @@ class Eagle3Module(pl.LightningModule):
             raise ValueError(
                 f"the checkpoint was trained against another target (config fingerprint {saved}, this target "
                 f"{self.target_fingerprint} at {self.target_path})"
+            )
+        saved_sharded = checkpoint.get(DRAFT_SHARDED_KEY, False)
+        if saved_sharded != bool(self.hparams.draft_shard):
+            raise ValueError(
+                f"the checkpoint was written with draft_shard={saved_sharded} and this run has "
+                f"draft_shard={bool(self.hparams.draft_shard)}: their optimizer states are laid out differently; "
+                f"resume with draft_shard={saved_sharded} (any world size of more than one rank if true)"
             )
         if self._trainer is not None:  # another world size or batch size: loop counters in this run's micro-batches
             rescale_epoch_progress(checkpoint, micro_batch_rows(self.trainer))
