@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_eagle.k3 import KimiK3ForCausalLM
 from lightning_eagle.k3.loader import SafetensorsCheckpoint
+from lightning_eagle.k3.model import is_fp32_parameter
 from lightning_eagle.parallel.dense_shard import dense_bytes_held, full_tensor, gathered_weight, shard_dense_weights
 from lightning_eagle.parallel.dispatcher import TorchExpertDispatcher
 from lightning_eagle.parallel.local_launch import launch_local
@@ -65,6 +66,9 @@ def _rank(rank, world, path, inputs, ep):
         out["lm_head"] = weight.clone()
     out["embed"] = full_tensor(model.model.embed_tokens.weight).clone()
     out["still_sharded"] = dense_bytes_held(model) == held  # gathers were freed after use
+    bf16 = KimiK3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, expert_range=er, kda_backend="chunk",
+                                             shard=partial(shard_dense_weights, mesh=mesh))  # fmt: skip
+    out["dtypes"] = {name: (p.dtype, type(p).__name__) for name, p in bf16.named_parameters()}
     return out
 
 
@@ -121,6 +125,15 @@ def test_each_rank_holds_its_share_of_the_dense_bytes_and_gathers_exactly(sharde
         torch.testing.assert_close(out["lm_head"], single.lm_head.weight, atol=0, rtol=0)  # exact: a copy
         torch.testing.assert_close(out["embed"], single.model.embed_tokens.weight, atol=0, rtol=0)  # exact: a copy
     assert largest_layer < full / 4  # the transient per-layer gather is small next to the saving
+
+
+def test_fp32_islands_stay_fp32_in_a_sharded_bf16_target(sharded):
+    for out in sharded["runs"]["world2_ep2"]:
+        islands = {n: d for n, d in out["dtypes"].items() if is_fp32_parameter(n)}
+        assert islands and all(dtype == torch.float32 for dtype, _ in islands.values()), islands
+        rest = {n: d for n, d in out["dtypes"].items() if not is_fp32_parameter(n)}
+        assert all(dtype == torch.bfloat16 for dtype, _ in rest.values())
+        assert {kind for _, kind in out["dtypes"].values()} == {"DTensor", "Parameter"}  # experts/root norms plain
 
 
 @pytest.mark.parametrize("run", ["world2_ep2", "world4_ep4"])
