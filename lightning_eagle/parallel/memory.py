@@ -203,7 +203,7 @@ class RankMemory:
         dt = str(self.dtype).removeprefix("torch.")
         return (
             f"K3 target per rank at expert_parallel_size={self.ep_size} ({self.experts_per_rank} experts/layer): "
-            f"non-routed {_size(self.non_routed_bytes)} ({dt}, replicated), routed experts "
+            f"non-routed {_size(self.non_routed_bytes)} ({dt}, one full copy), routed experts "
             f"{_size(self.routed_packed_bytes)} packed MXFP4 / {_size(self.routed_dequantised_bytes)} {dt}; "
             f"total {_size(self.total_packed_bytes)} packed / {_size(self.total_dequantised_bytes)} {dt}"
         )

@@ -41,7 +41,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_eagle.parallel.dense_shard import has_sharded_trainable_parameters, shard_dense_weights
+from lightning_eagle.parallel.dense_shard import dense_bytes_held, has_sharded_trainable_parameters, shard_dense_weights
 from lightning_eagle.parallel.dispatcher import build_dispatcher, check_dispatcher
 from lightning_eagle.parallel.grad_sync import all_reduce_gradients
 from lightning_eagle.parallel.launcher import ExpertParallelLauncher
@@ -248,7 +248,14 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         config = getattr(target, "config", None)
         if config is not None:
             dtype = next((p.dtype for p in target.parameters() if p.dtype not in (torch.float32,)), torch.float32)
-            rank_zero_info(str(per_rank_memory_report(config, self.ep_size, dtype)))
+            report = str(per_rank_memory_report(config, self.ep_size, dtype))
+            if self._layout.dense_sharded:
+                held = dense_bytes_held(target)
+                report += (
+                    f"; dense weights FSDP2-sharded over {self.world_size} ranks: this rank holds {held / 1e9:.3f} GB "
+                    "of them (plus one unit gathered at a time)"
+                )
+            rank_zero_info(report)
         return target
 
     # ---- draft gradients ----------------------------------------------------------------------------------------
