@@ -42,7 +42,7 @@ def materialize(
     skip = set(skip)
     module.to(dtype=dtype)  # on meta: free; floating tensors only
     module.to_empty(device=device)
-    for name, buffer in module.named_buffers():
+    for buffer in module.buffers():
         buffer.zero_()
     for prefix, sub in module.named_modules():
         own = [(n, p) for n, p in sub.named_parameters(recurse=False) if f"{prefix}.{n}".lstrip(".") not in skip]

@@ -79,11 +79,6 @@ def gathered_weight(module: nn.Module) -> Iterator[torch.Tensor]:
         module.reshard()
 
 
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A plain tensor with all of ``tensor``'s values (a collective for a sharded one)."""
-    return tensor.full_tensor() if is_sharded(tensor) else tensor
-
-
 def has_sharded_trainable_parameters(module: nn.Module | None) -> bool:
     """Whether the *trained* parameters (the draft's) are FSDP-sharded; a sharded frozen target does not count (its
     weights are never checkpointed)."""

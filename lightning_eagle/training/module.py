@@ -34,6 +34,7 @@ from lightning_eagle.k3.loader import config_fingerprint, resolve_target_path
 from lightning_eagle.k3.model import KimiK3ForCausalLM
 from lightning_eagle.parallel.dense_shard import gathered_weight, shard_draft
 from lightning_eagle.parallel.layout import TargetParallelism, target_parallelism
+from lightning_eagle.parallel.strategy import ExpertParallelStrategy
 from lightning_eagle.parallel.validate import validate_target_config
 from lightning_eagle.training.loss import soft_cross_entropy
 from lightning_eagle.training.loss import step_weights as default_step_weights
@@ -67,6 +68,11 @@ def _parallelism(owner: pl.LightningModule) -> TargetParallelism:
     return target_parallelism(trainer.strategy if trainer is not None else None)
 
 
+def _root_device(owner: pl.LightningModule) -> torch.device:
+    """The device ``owner``'s strategy places it on (the CPU outside a trainer)."""
+    return owner._trainer.strategy.root_device if owner._trainer is not None else torch.device("cpu")
+
+
 def load_frozen_target(
     owner: pl.LightningModule, target_path, num_experts: int, dtype: str, expert_storage: str
 ) -> KimiK3ForCausalLM:
@@ -76,10 +82,9 @@ def load_frozen_target(
     The one loading path for training (``Eagle3Module``) and feature dumps (``FeatureDumper``)."""
     parallelism = _parallelism(owner)
     expert_range = parallelism.expert_range(num_experts)  # refuses an unsplittable expert count before any read
-    device = owner._trainer.strategy.root_device if owner._trainer is not None else torch.device("cpu")
     target = KimiK3ForCausalLM.from_pretrained(
-        target_path, dtype=DTYPES[dtype], device=device, expert_range=expert_range, expert_storage=expert_storage,
-        shard=parallelism.dense_sharding(),
+        target_path, dtype=DTYPES[dtype], device=_root_device(owner), expert_range=expert_range,
+        expert_storage=expert_storage, shard=parallelism.dense_sharding(),
     )  # fmt: skip
     return parallelism.parallelize_target(target)
 
@@ -210,7 +215,7 @@ class Eagle3Module(pl.LightningModule):
         trainer's data module; outside a trainer pass ``vocab_mapping``."""
         if self.draft is not None:  # called once per stage (fit/validate/…): idempotent
             return
-        device, hp = self._root_device(), self.hparams
+        device, hp = _root_device(self), self.hparams
         if self.hparams.target_source == "features":
             head = TeacherHead.from_checkpoint(self.target_path, prenorm=self._features_prenorm(), dtype=torch.float32)
             self.teacher_head = head.to(device=device, dtype=DTYPES[self.hparams.target_dtype])
@@ -236,7 +241,7 @@ class Eagle3Module(pl.LightningModule):
 
     def _world_mesh(self):
         strategy = self._trainer.strategy if self._trainer is not None else None
-        if getattr(strategy, "world_size", 1) < 2 or not hasattr(strategy, "world_mesh"):
+        if not isinstance(strategy, ExpertParallelStrategy) or strategy.world_size < 2:
             raise ValueError(
                 "draft_shard=True shards the draft over ranks: use ExpertParallelStrategy with more than one rank "
                 f"(got {type(strategy).__name__} with world size {getattr(strategy, 'world_size', 1)})"
@@ -250,11 +255,6 @@ class Eagle3Module(pl.LightningModule):
     def _features_prenorm(self) -> bool:
         manifest = self._features_manifest()
         return True if manifest is None else manifest["hidden_states"] == "prenorm"
-
-    def _root_device(self) -> torch.device:
-        if self._trainer is not None:
-            return self._trainer.strategy.root_device
-        return torch.device("cpu")
 
     def _vocab_mapping(self):
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from lightning_eagle.k3 import KimiK3ForCausalLM
 from lightning_eagle.k3.loader import SafetensorsCheckpoint
 from lightning_eagle.k3.model import is_fp32_parameter
-from lightning_eagle.parallel.dense_shard import dense_bytes_held, full_tensor, gathered_weight, shard_dense_weights
+from lightning_eagle.parallel.dense_shard import dense_bytes_held, gathered_weight, shard_dense_weights
 from lightning_eagle.parallel.dispatcher import TorchExpertDispatcher
 from lightning_eagle.parallel.local_launch import launch_local
 from lightning_eagle.parallel.shard import enable_expert_parallel, expert_range
@@ -64,7 +64,7 @@ def _rank(rank, world, path, inputs, ep):
     out = {"held": held, "read": read, "outputs": [_capture(model, ids) for ids in inputs]}
     with gathered_weight(model.lm_head) as weight:
         out["lm_head"] = weight.clone()
-    out["embed"] = full_tensor(model.model.embed_tokens.weight).clone()
+    out["embed"] = model.model.embed_tokens.weight.full_tensor().clone()
     out["still_sharded"] = dense_bytes_held(model) == held  # gathers were freed after use
     bf16 = KimiK3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, expert_range=er, kda_backend="chunk",
                                              shard=partial(shard_dense_weights, mesh=mesh))  # fmt: skip
