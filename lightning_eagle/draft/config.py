@@ -212,11 +212,6 @@ class Eagle3DraftConfig:
             raise ValueError(f"{what} needs a Q-LoRA (q_lora_rank): SGLang's Eagle3 MLA layer refuses q_proj")
         if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2:
             raise ValueError(f"{what} rotates pairs: qk_rope_head_dim must be a positive even int")
-        if self.fc_norm or self.norm_output:
-            raise ValueError(
-                f"{what}: the engines' head has no fc_norm weights and feeds the pre-norm hidden to the next step, so "
-                "fc_norm and norm_output must be false (an engine would skip fc_norm.* and serve another function)"
-            )
         if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 1:
             raise ValueError(f"rope_theta must be a number > 1, got {self.rope_theta!r}")
         mpe = self.max_position_embeddings

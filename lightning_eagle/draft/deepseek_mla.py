@@ -9,7 +9,8 @@ Differences from the K3-faithful layer (:class:`~lightning_eagle.draft.model.Kim
   rotation, the softmax scale is ``d_qk^−½`` times YaRN's ``mscale(s, mscale_all_dim)²``; no output gate;
 * MLP: SwiGLU, ``down(silu(gate(x)) ⊙ up(x))`` (engines fuse ``gate_proj``/``up_proj`` into ``gate_up_proj``);
 * norms: :class:`DeepseekRMSNorm`, the engine's order of operations (below);
-* no ``fc_norm``, no ``norm_output`` (the engines' head has neither; the config refuses them).
+* ``fc_norm`` (one norm per aux chunk before ``fc``) and ``norm_output`` (the next step gets the normed hidden) are
+  optional, as in vLLM 0.32's head (``deepseek_eagle3.py``: ``DeepseekV2Eagle3Model``), which serves both.
 
 Positions of a TTT step (the convention this module trains with). The engines give the draft the *target's*
 positions: the draft-extend pass pairs the target hidden state at position t with token x_{t+1} at position t

@@ -28,6 +28,7 @@ from lightning_eagle.checkpoint_io import load_checkpoint_file
 from lightning_eagle.draft import serving_format as fmt
 from lightning_eagle.draft.config import Eagle3DraftConfig, warn_unportable_aux_layer_ids
 from lightning_eagle.draft.model import KimiK3Eagle3Draft
+from lightning_eagle.draft.pretrained import check_export
 
 # Key under which a training checkpoint stores ``Eagle3DraftConfig.to_dict()`` (the module's on_save_checkpoint).
 CHECKPOINT_CONFIG_KEY = "eagle_draft_config"
@@ -74,6 +75,8 @@ def export_draft(
         dtype = torch.bfloat16
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    if config.architecture == "deepseek_mla":
+        state, config = fmt.to_engine_aux_order(state, config)
     torch_dtype = fmt.check_state(state, config, include_embeddings)
     config_json = fmt.config_to_json(config, torch_dtype)
     # safetensors refuses shared / non-contiguous storage; a detached contiguous CPU copy of each tensor is safe.
@@ -87,6 +90,7 @@ def _atomic_write(out_dir: Path, tensors: dict[str, torch.Tensor], config_json: 
         with open(tmp / fmt.CONFIG_NAME, "w") as f:
             json.dump(config_json, f, indent=2, sort_keys=True)
             f.write("\n")
+        check_export(tmp)  # what was written is what a loader will read: refuse before it takes the final name
     return out_dir
 
 

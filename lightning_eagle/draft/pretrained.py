@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from lightning_eagle.draft import reference_import
 from lightning_eagle.draft import serving_format as fmt
+from lightning_eagle.draft.config import Eagle3DraftConfig
 from lightning_eagle.draft.model import KimiK3Eagle3Draft
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -62,23 +63,11 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_pretrained(
-    path: str | os.PathLike,
-    *,
-    target_embedding: torch.Tensor | None = None,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device = "cpu",
-    attention_backend: str = "eager",
-) -> KimiK3Eagle3Draft:
-    """Build a :class:`KimiK3Eagle3Draft` from ``path`` (the class ``config.json`` names: a ``deepseek_mla`` export
-    gives a :class:`~lightning_eagle.draft.deepseek_mla.DeepseekMLAEagle3Draft`).
-
-    Tensors keep their stored dtype unless ``dtype`` is given. An export without ``embed_tokens.weight`` (frozen
-    embedding omitted, §14.1) needs the target's: pass ``target_embedding`` or call ``copy_embeddings_from`` later.
-    Until then the embedding is NaN, which marks it missing: the inference entry points that also get the target
-    (``speculative_generate``, ``evaluate_acceptance``, ``DraftRunner(draft, target)``) fill it from the target's, and
-    anything else that uses it yields NaN instead of plausible garbage.
-    """
+def check_export(path: str | os.PathLike) -> tuple[Eagle3DraftConfig, dict[str, torch.Tensor]]:
+    """Read a draft folder and check every tensor against its ``config.json``: the exact key set the config implies
+    (what the engine class allocates: vLLM's loader does not report a missing tensor, it leaves the parameter
+    uninitialised), shapes, dtypes and the vocabulary map. Returns the config and the state under our names; the
+    exporter runs it on what it wrote before the folder takes its final name."""
     folder = Path(path)
     config_file = folder / fmt.CONFIG_NAME
     if not config_file.is_file():
@@ -109,11 +98,33 @@ def load_pretrained(
             state = fmt.engine_state_to_draft(state, config)
         elif reference_import.is_reference_layout(state):
             state = reference_import.convert_reference_state(state, config)
-        has_embeddings = "embed_tokens.weight" in state
-        fmt.check_state(state, config, include_embeddings=has_embeddings)
+        fmt.check_state(state, config, include_embeddings="embed_tokens.weight" in state)
     except ValueError as err:  # key set / shape / dtype against config.json: name both files
         raise ValueError(f"{weights} does not match {config_file}: {err}") from None
 
+    return config, state
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    target_embedding: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    attention_backend: str = "eager",
+) -> KimiK3Eagle3Draft:
+    """Build a :class:`KimiK3Eagle3Draft` from ``path`` (the class ``config.json`` names: a ``deepseek_mla`` export
+    gives a :class:`~lightning_eagle.draft.deepseek_mla.DeepseekMLAEagle3Draft`).
+
+    Tensors keep their stored dtype unless ``dtype`` is given. An export without ``embed_tokens.weight`` (frozen
+    embedding omitted, §14.1) needs the target's: pass ``target_embedding`` or call ``copy_embeddings_from`` later.
+    Until then the embedding is NaN, which marks it missing: the inference entry points that also get the target
+    (``speculative_generate``, ``evaluate_acceptance``, ``DraftRunner(draft, target)``) fill it from the target's, and
+    anything else that uses it yields NaN instead of plausible garbage.
+    """
+    folder = Path(path)
+    config, state = check_export(folder)
+    has_embeddings = "embed_tokens.weight" in state
     with torch.device("meta"):
         draft = KimiK3Eagle3Draft(config, attention_backend=attention_backend)
     if not has_embeddings:

@@ -4,23 +4,35 @@ the ``config.json`` fields, in both directions. Writing is :mod:`lightning_eagle
 
 Two formats, one per draft architecture:
 
-* ``architecture="k3"`` → ``Eagle3KimiK3ForCausalLM`` (§14.2): our layout (``midlayer.*``), 0-based aux ids; no
-  engine has this class, so engines refuse it loudly instead of silently serving the gated SiTU layer wrong.
-* ``architecture="deepseek_mla"`` → ``Eagle3DeepseekV2ForCausalLM`` (``model_type "deepseek_v3"``): exactly what
-  SGLang (``python/sglang/srt/models/kimi_k25_eagle3.py``) and vLLM (``vllm/model_executor/models/
-  deepseek_eagle3.py``) load. Weights ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` (and
-  ``embed_tokens`` only when trained); unfused ``q_a_proj`` / ``kv_a_proj_with_mqa`` and ``gate_proj`` / ``up_proj``
-  (the loaders fuse them); ``d2t`` = target id − draft id (both loaders add ``arange``), ``t2d`` written for our
-  re-import and ignored by both. ``eagle_config.eagle_aux_hidden_state_layer_ids`` is **one-based** (the engines'
-  numbering of the hidden state entering layer i: our 0-based K3 taps ``[1, 45, 89]`` are ``[2, 46, 90]``).
+* ``architecture="k3"`` → ``Eagle3KimiK3ForCausalLM`` (§14.2): our layout (``midlayer.*``); no engine has this
+  class, so engines refuse it loudly instead of silently serving the gated SiTU layer wrong.
+* ``architecture="deepseek_mla"`` → ``Eagle3DeepseekV2ForCausalLM`` with ``model_type "kimi_k2"``: what vLLM 0.32
+  (``vllm/model_executor/models/deepseek_eagle3.py``, proven with vLLM's own code in ``tests/engine``) and SGLang
+  (``python/sglang/srt/models/kimi_k25_eagle3.py``) load. ``model_type`` matters: vLLM rewrites any draft whose
+  ``model_type`` is ``deepseek_v3`` into a DeepSeek MTP config (``SpeculativeConfig.hf_config_override``) and then
+  asks for a class that does not exist; ``kimi_k2`` (what the published Kimi EAGLE-3 drafts carry) maps to the same
+  DeepSeek-V3 config class without that rewrite. Weights ``fc`` (+ ``fc_norm.i``), ``layers.0.*``, ``norm``,
+  ``lm_head``, ``d2t``, ``t2d`` (and ``embed_tokens`` only when trained); unfused ``q_a_proj`` /
+  ``kv_a_proj_with_mqa`` and ``gate_proj`` / ``up_proj`` (the loaders fuse them); ``d2t`` = target id − draft id
+  (both loaders add ``arange``), ``t2d`` written for our re-import and skipped by both.
 
-Aux stream requirement of the engine format: the engines feed the draft the hidden states their target model
-captures — the *prefix* stream (the raw per-layer output, `k3_target.md` §6.3), never the AttnRes ``"mixed"``
-stream — so only a draft trained on ``aux_hidden_state_stream="prefix"`` is exported under the engine name.
+Aux ids (vLLM 0.32, ``EagleModelMixin._set_aux_hidden_state_layers`` and the K3 / DeepSeek target models): an engine
+id ``j`` is the hidden state *entering* target layer ``j`` (the output of layer ``j - 1``), so our 0-based tap ``i`` is
+engine id ``i + 1`` (K3: ``[1, 45, 89]`` → ``[2, 46, 90]``); vLLM **sorts and de-duplicates** the ids and its V2 model
+runner reads only the **top-level** ``eagle_aux_hidden_state_layer_ids`` (the V1 runner reads ``eagle_config``), so
+both formats write the one-based ids in both places, ascending; a draft trained on ids in another order is exported
+with ``fc``'s input columns (and ``fc_norm``) permuted to that order (:func:`engine_aux_order`), which computes the
+same function. Our own 0-based ids, in ``fc`` order, are the project field ``aux_layer_ids``. Our tap ``L`` (the
+pre-norm final state, `k3_target.md` §6.4) would be engine id ``L + 1``, which no engine captures: refused.
+
+Aux stream: vLLM's K3 model captures the *prefix* stream by default and the AttnRes ``"mixed"`` stream (the mixture
+that layer ``j`` reads) with ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1``; the export records the setting the draft needs
+under ``serving_env`` and ``cli.py export`` prints it (:func:`serving_instructions`).
 """
 
 from __future__ import annotations
 
+import json
 import warnings
 from typing import Any
 
@@ -37,7 +49,11 @@ from lightning_eagle.draft.reference_import import sort_vocabulary
 ARCHITECTURE = "Eagle3KimiK3ForCausalLM"  # §14.2 decision: engines must refuse it loudly until a K3 head exists
 MODEL_TYPE = "kimi_linear"
 ENGINE_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"  # SGLang and vLLM (vLLM also aliases Eagle3DeepseekV3ForCausalLM)
-ENGINE_MODEL_TYPE = "deepseek_v3"
+ENGINE_MODEL_TYPE = "kimi_k2"  # not deepseek_v3: vLLM turns that into a DeepSeek MTP draft (module docstring)
+AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"  # one-based, the engines' numbering
+SERVING_ENV_KEY = "serving_env"  # the engine environment the draft needs, e.g. the K3 aux stream
+AUX_STREAM_ENV = "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"
+AUX_STREAM_ENV_VALUE = {"prefix": "0", "mixed": "1"}
 ENGINE_LAYER_PREFIX = "layers.0."  # the checkpoint name of the one layer (SGLang renames it to midlayer.)
 # Architecture strings that engines map to a head: never written for a K3-faithful draft.
 ENGINE_ARCHITECTURE_NAMES = frozenset(
@@ -180,11 +196,40 @@ def config_to_json(config: Eagle3DraftConfig, torch_dtype: torch.dtype) -> dict[
     data.update({name: getattr(config, name) for name in _PLAIN_FIELDS})
     data["tie_word_embeddings"] = False
     data["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
-    data["eagle_config"] = {
-        "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
-        "use_aux_hidden_state": True,
-    }
+    data.update(aux_fields(config))
     return data
+
+
+def aux_fields(config: Eagle3DraftConfig) -> dict[str, Any]:
+    """The aux-id and stream fields both formats write: our 0-based ``aux_layer_ids`` (``fc`` order), the one-based
+    engine ids at the top level and in ``eagle_config``, and the engine setting of the stream."""
+    engine_ids = [i + 1 for i in config.aux_layer_ids]
+    return {
+        "aux_layer_ids": list(config.aux_layer_ids),
+        AUX_IDS_KEY: engine_ids,
+        "eagle_config": {AUX_IDS_KEY: engine_ids, "use_aux_hidden_state": True},
+        SERVING_ENV_KEY: {AUX_STREAM_ENV: AUX_STREAM_ENV_VALUE[config.aux_hidden_state_stream]},
+    }
+
+
+def aux_layer_ids_from_json(data: dict[str, Any], legacy_zero_based: bool) -> list[int] | None:
+    """Our 0-based ids from an export: ``aux_layer_ids`` when written (checked against the one-based engine ids),
+    else the engine key minus one; ``legacy_zero_based`` reads a K3-format export written before the engine key was
+    one-based (no ``aux_layer_ids`` field), whose ``eagle_config`` held the 0-based ids."""
+    top, nested = data.get(AUX_IDS_KEY), (data.get("eagle_config") or {}).get(AUX_IDS_KEY)
+    if top is not None and nested is not None and list(top) != list(nested):
+        raise ValueError(f"config.json: {AUX_IDS_KEY} {top} (top level) and eagle_config.{AUX_IDS_KEY} {nested} differ")
+    engine = top if top is not None else nested
+    ours = data.get("aux_layer_ids")
+    if ours is None and engine is not None and legacy_zero_based:
+        return list(engine)
+    if engine is not None and any(not isinstance(i, int) or isinstance(i, bool) or i < 1 for i in engine):
+        raise ValueError(f"{AUX_IDS_KEY} {engine} are not one-based layer ids (all >= 1)")
+    if ours is None:
+        return None if engine is None else [i - 1 for i in engine]
+    if engine is not None and sorted(i + 1 for i in ours) != sorted(engine):
+        raise ValueError(f"config.json: aux_layer_ids {ours} (0-based) do not match {AUX_IDS_KEY} {engine} (one-based)")
+    return list(ours)
 
 
 def config_from_json(data: dict[str, Any]) -> Eagle3DraftConfig:
@@ -194,7 +239,7 @@ def config_from_json(data: dict[str, Any]) -> Eagle3DraftConfig:
     if data.get("architectures") != [ARCHITECTURE]:
         raise ValueError(f"not a lightning_eagle K3 draft export: architectures={data.get('architectures')!r}")
     values = {name: data[name] for name in _PLAIN_FIELDS if name in data}
-    values["aux_layer_ids"] = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    values["aux_layer_ids"] = aux_layer_ids_from_json(data, legacy_zero_based=True)
     return Eagle3DraftConfig(**values)
 
 
@@ -233,14 +278,43 @@ _ENGINE_PROJECT_FIELDS = (
 DEFAULT_MAX_POSITION_EMBEDDINGS = 4096  # HF DeepseekV3Config's default, used when neither draft nor target says
 
 
-def engine_config_to_json(config: Eagle3DraftConfig, torch_dtype: torch.dtype) -> dict[str, Any]:
-    """``config.json`` of the engine format (module docstring). Refuses what the engines would serve differently."""
-    if config.aux_hidden_state_stream != "prefix":
+def engine_aux_order(config: Eagle3DraftConfig) -> list[int]:
+    """The permutation that sorts ``config.aux_layer_ids`` (the engines sort them, module docstring): ``fc`` input
+    chunk ``j`` of the export is our chunk ``order[j]``. Refuses what no engine captures: our tap ``L``."""
+    ids, L = list(config.aux_layer_ids), config.target_num_hidden_layers
+    if L is not None and L in ids:
         raise ValueError(
-            f"the draft was trained on the {config.aux_hidden_state_stream!r} aux stream, but SGLang and vLLM feed "
-            f"{ENGINE_ARCHITECTURE} the target's prefix stream (each tapped layer's raw output); only a draft "
-            "trained with aux_stream: prefix can be exported for them"
+            f"aux_layer_ids {ids} contain L={L} (the pre-norm final state): the engines number aux states by the "
+            f"layer they enter (engine id = our id + 1), so it would be engine id {L + 1}, which vLLM never captures "
+            f"for a {L}-layer target (a shape error at serving time); train with ids in [0, {L - 1}]"
         )
+    return sorted(range(len(ids)), key=ids.__getitem__)
+
+
+def to_engine_aux_order(
+    state: dict[str, torch.Tensor], config: Eagle3DraftConfig
+) -> tuple[dict[str, torch.Tensor], Eagle3DraftConfig]:
+    """``state`` and ``config`` with the aux ids ascending, ``fc``'s input chunks and the ``fc_norm`` weights permuted
+    to match: the same function, in the order the engines feed (:func:`engine_aux_order`)."""
+    order = engine_aux_order(config)
+    if order == sorted(order):
+        return state, config
+    state = dict(state)
+    chunks = state["fc.weight"].chunk(len(order), dim=1)
+    state["fc.weight"] = torch.cat([chunks[i] for i in order], dim=1)
+    if config.fc_norm:
+        norms = [state[f"fc_norm.{i}.weight"] for i in range(len(order))]
+        for j, i in enumerate(order):
+            state[f"fc_norm.{j}.weight"] = norms[i]
+    return state, config.replace(aux_layer_ids=[config.aux_layer_ids[i] for i in order])
+
+
+def engine_config_to_json(config: Eagle3DraftConfig, torch_dtype: torch.dtype) -> dict[str, Any]:
+    """``config.json`` of the engine format (module docstring); ``config``'s aux ids must already be ascending
+    (:func:`to_engine_aux_order`)."""
+    order = engine_aux_order(config)
+    if order != sorted(order):
+        raise ValueError(f"aux_layer_ids {config.aux_layer_ids} are not ascending: export through to_engine_aux_order")
     if config.rope_scaling is None and config.rope_theta != DEFAULT_ROPE_THETA:
         warnings.warn(
             f"rope_theta={config.rope_theta} without rope_scaling: vLLM's {ENGINE_ARCHITECTURE} rebuilds its rope "
@@ -261,12 +335,22 @@ def engine_config_to_json(config: Eagle3DraftConfig, torch_dtype: torch.dtype) -
     )
     data["tie_word_embeddings"] = False
     data["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
-    data["eagle_config"] = {
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.aux_layer_ids],  # one-based, module docstring
-        "use_aux_hidden_state": True,
-    }
+    data.update(aux_fields(config))
     data.update({name: getattr(config, name) for name in _ENGINE_PROJECT_FIELDS})
     return data
+
+
+def serving_instructions(config_json: dict[str, Any], folder: str) -> list[str]:
+    """What a user must set to serve the export at ``folder`` (printed by ``cli.py export``)."""
+    if config_json.get("architectures") != [ENGINE_ARCHITECTURE]:
+        return [f"{folder}: {ARCHITECTURE} (the K3-faithful draft): no engine serves this class yet"]
+    env = config_json.get(SERVING_ENV_KEY) or {}
+    prefix = " ".join(f"{k}={v}" for k, v in sorted(env.items()))
+    spec = json.dumps({"method": "eagle3", "model": folder, "num_speculative_tokens": 3})
+    return [
+        f"engine setting the draft needs: {prefix}" if prefix else "engine setting: none",
+        f"serve: {prefix} vllm serve <K3 checkpoint> --speculative-config '{spec}'".replace("  ", " "),
+    ]
 
 
 def engine_config_from_json(data: dict[str, Any]) -> Eagle3DraftConfig:
@@ -283,14 +367,10 @@ def engine_config_from_json(data: dict[str, Any]) -> Eagle3DraftConfig:
     values["hidden_act"] = data.get("hidden_act", "silu")
     values["rope_scaling"] = data.get("rope_scaling")
     values["max_position_embeddings"] = data.get("max_position_embeddings")
-    ids = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if ids is None:
-        ids = data.get("eagle_aux_hidden_state_layer_ids")
+    ids = aux_layer_ids_from_json(data, legacy_zero_based=False)
     if ids is not None:
-        if any(not isinstance(i, int) or isinstance(i, bool) or i < 1 for i in ids):
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids {ids} are not one-based layer ids (all >= 1)")
-        values["aux_layer_ids"] = [i - 1 for i in ids]
-        values.setdefault("aux_hidden_state_stream", "prefix")  # what the engines feed
+        values["aux_layer_ids"] = ids
+        values.setdefault("aux_hidden_state_stream", "prefix")  # what the engines feed by default
     return Eagle3DraftConfig(**values)
 
 

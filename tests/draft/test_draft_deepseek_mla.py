@@ -53,8 +53,6 @@ def test_config_from_target_takes_the_deepseek_layer_fields():
         ({"hidden_act": "situ"}, "hidden_act must be 'silu'"),
         ({"mla_use_output_gate": True}, "no output gate"),
         ({"q_lora_rank": None}, "needs a Q-LoRA"),
-        ({"fc_norm": True}, "fc_norm and norm_output must be false"),
-        ({"norm_output": True}, "fc_norm and norm_output must be false"),
         ({"num_key_value_heads": 1}, "one K/V head per query head"),
         ({"qk_rope_head_dim": 7}, "positive even int"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "DeepSeek YaRN only"),

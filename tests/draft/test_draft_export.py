@@ -67,7 +67,10 @@ def test_key_set_shapes_and_config(make_draft, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert not [k for k in REQUIRED_CONFIG if k not in config]
     assert config["architectures"] == ["Eagle3KimiK3ForCausalLM"] and config["num_hidden_layers"] == 1
-    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 5], "use_aux_hidden_state": True}
+    # our 0-based taps under our own key; the engines' key holds one-based ids (issue 19), top level and nested
+    assert config["aux_layer_ids"] == [1, 3, 5] and config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 4, 6], "use_aux_hidden_state": True}
+    assert config["serving_env"] == {"VLLM_KIMI_K3_AUX_ATTN_RES_STREAM": "0"}
     assert config["aux_hidden_state_stream"] == "prefix" and config["hidden_act"] == "situ"
     assert (config["vocab_size"], config["draft_vocab_size"], config["target_hidden_size"]) == (256, 72, 128)
     assert config["torch_dtype"] == "float32" and config["tie_word_embeddings"] is False
@@ -218,10 +221,11 @@ def test_aux_ids_are_required_and_validated(make_draft, tmp_path):
     with pytest.raises(ValueError, match="aux_layer_ids"):
         export_draft(draft, tmp_path / "a")
     out = export_draft(draft, tmp_path / "b", aux_layer_ids=[2, 0, 4])
-    assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
-        2,
-        0,
-        4,
+    written = json.loads((out / "config.json").read_text())
+    assert written["aux_layer_ids"] == [2, 0, 4] and written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        3,
+        1,
+        5,
     ]
     with pytest.warns(UserWarning, match="L=6"):
         export_draft(draft, tmp_path / "c", aux_layer_ids=[1, 3, 6])
@@ -243,3 +247,29 @@ def test_source_dcp_folder(make_draft, tmp_path):
         out = export_draft(tmp_path / "ckpt", tmp_path / "export", config=draft.config)
     exported = load_file(str(out / "model.safetensors"))
     assert all(torch.equal(exported[k], v) for k, v in draft.state_dict().items() if k != "embed_tokens.weight")
+
+
+def test_legacy_k3_export_with_zero_based_engine_key_still_imports(make_draft, tmp_path):
+    """Exports written before issue 19 held the 0-based ids under the engines' key and had no ``aux_layer_ids``."""
+    draft = make_draft()
+    out = export_draft(draft, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    for key in ("aux_layer_ids", "eagle_aux_hidden_state_layer_ids", "serving_env"):
+        config.pop(key)
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]
+    (out / "config.json").write_text(json.dumps(config))
+    assert KimiK3Eagle3Draft.from_pretrained(out, target_embedding=draft.embed_tokens.weight).config.aux_layer_ids == [
+        1,
+        3,
+        5,
+    ]
+
+
+def test_disagreeing_aux_id_fields_are_refused(make_draft, tmp_path):
+    draft = make_draft()
+    out = export_draft(draft, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"\(top level\) and eagle_config.eagle_aux_hidden_state_layer_ids \[2, 4, 6\] differ"):
+        KimiK3Eagle3Draft.from_pretrained(out, target_embedding=draft.embed_tokens.weight)

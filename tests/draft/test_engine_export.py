@@ -1,7 +1,8 @@
 """The engine export of a deepseek_mla draft (``Eagle3DeepseekV2ForCausalLM``), proven without a GPU:
 
-(a) each engine's weight-name mapping, reproduced from the pinned loader source, maps our export onto the engine's
-    parameter set with no dropped, missing or extra name and matching shapes;
+(a) SGLang's weight-name mapping, reproduced from the pinned loader source, maps our export onto its parameter set
+    with no dropped, missing or extra name and matching shapes (vLLM's own loader, forward and engine run on our export
+    in ``tests/engine/test_vllm_engine.py``);
 (b) a plain-torch re-implementation of the engine draft's forward (its fused projections after the loader's fusion,
     interleaved DeepSeek-YaRN rotary, softmax scale with mscale, fused-add RMSNorm order, d2t offsets), loaded from
     the export file, equals our draft's TTT steps at fp32 tolerance — prefix pass and chain steps, which also checks
@@ -76,9 +77,12 @@ def test_golden_keys_config_and_bf16_default(tmp_path):
     assert {k: list(v.shape) for k, v in weights.items()} == TINY_ENGINE_EXPORT
     assert {str(v.dtype) for k, v in weights.items() if k not in ("d2t", "t2d")} == {"torch.bfloat16"}
     assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
-    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "deepseek_v3"
+    # kimi_k2, not deepseek_v3: vLLM rewrites a deepseek_v3 draft into a DeepSeek MTP config (issue 19)
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "kimi_k2"
     assert config["num_hidden_layers"] == 1 and config["hidden_act"] == "silu" and config["torch_dtype"] == "bfloat16"
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 4, 6], "use_aux_hidden_state": True}
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]  # vLLM's V2 model runner reads only this one
+    assert config["aux_layer_ids"] == [1, 3, 5] and config["serving_env"] == {"VLLM_KIMI_K3_AUX_ATTN_RES_STREAM": "0"}
     for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "hidden_size",
                  "num_attention_heads", "num_key_value_heads", "intermediate_size", "draft_vocab_size", "vocab_size",
                  "target_hidden_size", "rms_norm_eps", "rope_theta", "fc_norm", "norm_output"):  # fmt: skip
@@ -124,7 +128,7 @@ def test_trained_embedding_travels(tmp_path):
 @pytest.mark.parametrize(
     "source_overrides, kwargs, fragment",
     [
-        ({"aux_hidden_state_stream": "mixed"}, {}, "prefix stream"),
+        ({}, {"aux_layer_ids": [1, 3, 6]}, "would be engine id 7, which vLLM never captures for a 6-layer target"),
         ({}, {"architecture": "Eagle3KimiK3ForCausalLM"}, "is exported as 'Eagle3DeepseekV2ForCausalLM'"),
     ],
 )
@@ -133,6 +137,31 @@ def test_refusals_leave_nothing_behind(tmp_path, source_overrides, kwargs, fragm
     with pytest.raises(ValueError, match=fragment):
         export_draft(draft, tmp_path / "out", **kwargs)
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_mixed_stream_exports_with_the_engine_setting(tmp_path):
+    config, _ = export(mla_draft(aux_hidden_state_stream="mixed"), tmp_path / "out")
+    assert config["serving_env"] == {"VLLM_KIMI_K3_AUX_ATTN_RES_STREAM": "1"}
+    assert fmt.engine_config_from_json(config).aux_hidden_state_stream == "mixed"
+    lines = fmt.serving_instructions(config, str(tmp_path / "out"))
+    assert lines[0] == "engine setting the draft needs: VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1"
+    assert lines[1].startswith("serve: VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1 vllm serve <K3 checkpoint> --speculative-config")
+
+
+@pytest.mark.parametrize("fc_norm, norm_output", [(False, False), (True, False), (False, True), (True, True)])
+def test_unsorted_aux_ids_export_sorted_with_fc_permuted(tmp_path, fc_norm, norm_output):
+    """The engines sort the ids: the export sorts them and permutes fc's input chunks (and fc_norm) to match, so the
+    re-imported draft fed the aux states in ascending-id order computes what ours computes in training order."""
+    draft = mla_draft(aux_layer_ids=[5, 1, 3], fc_norm=fc_norm, norm_output=norm_output)
+    config, weights = export(draft, tmp_path / "out", dtype=torch.float32)
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6] and config["aux_layer_ids"] == [1, 3, 5]
+    assert (config["fc_norm"], config["norm_output"]) == (fc_norm, norm_output)
+    loaded = KimiK3Eagle3Draft.from_pretrained(tmp_path / "out", target_embedding=draft.embed_tokens.weight)
+    batch = tiny_batch(draft.config)
+    a5, a1, a3 = batch["aux_hidden_states"].chunk(3, dim=-1)  # training order [5, 1, 3]
+    sorted_batch = {**batch, "aux_hidden_states": torch.cat([a1, a3, a5], dim=-1)}
+    # the same sums in another order: fp32 tolerance, not bit equality
+    torch.testing.assert_close(unroll(loaded, sorted_batch), unroll(draft, batch), rtol=1e-5, atol=1e-5)
 
 
 def test_non_default_theta_without_scaling_warns(tmp_path):
@@ -261,56 +290,10 @@ def sglang_load(weights: dict[str, torch.Tensor], params: dict) -> Loaded:
     return out.finish()
 
 
-def vllm_load(weights: dict[str, torch.Tensor], params: dict) -> Loaded:
-    """vLLM ``Eagle3DeepseekV2ForCausalLM.load_weights`` → ``AutoWeightsLoader`` → ``DeepseekV2Eagle3Model.
-    load_weights`` (deepseek_eagle3.py, pinned above), rule for rule (no quantisation scales)."""
-    out = Loaded()
-    top = []  # (export name, name after the top-level rules, tensor)
-    for original, tensor in weights.items():
-        if "t2d" in original:
-            out.ignored.append(original)
-            continue
-        name = original
-        if "d2t" in name:
-            name = name.replace("d2t", "draft_id_to_target_id")
-        elif "lm_head" not in name:
-            name = "model." + name
-        top.append((original, name, tensor))
-    stacked = (
-        (".gate_up_proj", ".gate_proj", 0),
-        (".gate_up_proj", ".up_proj", 1),
-        (".fused_qkv_a_proj", ".q_a_proj", 0),
-        (".fused_qkv_a_proj", ".kv_a_proj_with_mqa", 1),
-    )
-    for original, name, tensor in top:
-        if name.startswith("model."):  # AutoWeightsLoader hands "model.*" to the inner model without the prefix
-            inner = name[len("model.") :].replace("midlayer.", "layers.0.")
-            for param_name, shard_name, shard_id in stacked:
-                if shard_name in inner:
-                    full = "model." + inner.replace(shard_name, param_name)
-                    assert full in params, f"vLLM would raise KeyError for {full}"  # params_dict[name]
-                    out.shard(full, shard_id, tensor)
-                    break
-            else:
-                if "model." + inner not in params:
-                    out.skipped.append(original)  # `if name not in params_dict: continue` — silent
-                    continue
-                out.params["model." + inner] = tensor
-        else:
-            assert name in params, f"AutoWeightsLoader raises for the unknown top-level name {name}"
-            out.params[name] = tensor
-    loaded = out.finish()
-    if "draft_id_to_target_id" in loaded.params:
-        loaded.target_ids = (
-            torch.arange(loaded.params["draft_id_to_target_id"].numel()) + loaded.params["draft_id_to_target_id"]
-        )  # compute_logits: targets = arange + draft_id_to_target_id
-    return loaded
+LOADERS = {"sglang": sglang_load}  # vLLM: its own loader, in tests/engine
 
 
-LOADERS = {"sglang": sglang_load, "vllm": vllm_load}
-
-
-@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.parametrize("engine", ["sglang"])
 @pytest.mark.parametrize("include_embeddings", [False, True])
 def test_engine_loader_maps_every_export_name(tmp_path, engine, include_embeddings):
     draft = mla_draft(rope_scaling=YARN)
@@ -325,9 +308,10 @@ def test_engine_loader_maps_every_export_name(tmp_path, engine, include_embeddin
     assert torch.equal(loaded.target_ids, draft.selected_token_ids)  # d2t read as target − draft offsets
 
 
-@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.parametrize("engine", ["sglang"])
 def test_negative_control_k3_weights_would_be_dropped(engine):
-    """Why the K3-faithful draft must never carry an engine name: its g_proj is dropped without an error."""
+    """Why the K3-faithful draft must never carry an engine name: SGLang drops its g_proj with only a warning (vLLM
+    0.32 refuses it loudly: tests/engine)."""
     k3 = tiny_draft()
     weights = {k.replace("midlayer.", "layers.0."): v for k, v in k3.state_dict().items() if k != "embed_tokens.weight"}
     config = {**k3.config.to_dict(), "target_hidden_size": 128}
