@@ -118,6 +118,12 @@ def export_main(argv: list[str]) -> None:
         overwrite=args.overwrite,
     )
     print(f"exported {args.checkpoint} to {path}")
+    import json
+
+    from lightning_eagle.draft.serving_format import CONFIG_NAME, serving_instructions
+
+    for line in serving_instructions(json.loads((path / CONFIG_NAME).read_text()), str(path)):
+        print(line)
 
 
 def dump_main(words: list[str], from_sys_argv: bool) -> None:

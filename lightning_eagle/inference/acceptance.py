@@ -7,6 +7,11 @@ generation prompt (what a K3 server sees). The report pools all verification rou
 * ``tau`` = mean(accepted + 1) over rounds = tokens per verification forward (comparable to training's τ_sim);
 * ``acceptance_at_least[j−1]`` = share of rounds accepting ≥ j drafts (so ``tau = 1 + Σ_j acceptance_at_least``
   when every round drafts K) and ``acceptance_per_position[j−1]`` = P(draft j accepted | drafts 1..j−1 accepted);
+* vLLM's definitions (``vllm/v1/spec_decode/metrics.py``, its "SpecDecoding metrics" log line and the
+  ``vllm:spec_decode_*`` counters), computed by :func:`engine_acceptance` from the same rounds: ``mean acceptance
+  length`` = 1 + accepted / drafts (= ``tau`` when every round drafts K), ``per-position acceptance rate[j−1]`` =
+  accepted at position j / drafts (unconditional, unlike ``acceptance_per_position``), ``draft acceptance rate`` =
+  accepted / drafted tokens;
 * throughput: generated tokens per second of speculative decoding (wall, draft included), per second of its target
   forwards only, and of plain target-only decoding over the same prompts; ``speedup`` is their ratio on this
   machine. At temperature 0 the two outputs must agree token for token (``greedy_mismatches`` counts prompts that
@@ -70,6 +75,13 @@ class AcceptanceReport:
         return rates
 
     @property
+    def engine(self) -> dict[str, Any]:
+        """vLLM's definitions over the same rounds (:func:`engine_acceptance`): a round is one draft of K tokens."""
+        K = self.num_draft_tokens
+        per_position = [sum(a >= j for a in self.accepted_per_round) for j in range(1, K + 1)]
+        return engine_acceptance(self.num_rounds, K * self.num_rounds, per_position)
+
+    @property
     def spec_tokens_per_s(self) -> float:
         return self.spec_tokens / self.spec_seconds if self.spec_seconds > 0 else float("nan")
 
@@ -100,6 +112,7 @@ class AcceptanceReport:
             "tau",
             "acceptance_at_least",
             "acceptance_per_position",
+            "engine",
             "spec_tokens_per_s",
             "spec_tokens_per_target_s",
             "plain_tokens_per_s",
@@ -121,6 +134,10 @@ class AcceptanceReport:
             f"tau_real (tokens per target forward)   {fmt(self.tau)}",
             "P(accept draft j | 1..j-1 accepted)    " + " ".join(fmt(r) for r in self.acceptance_per_position),
             "P(accepted >= j)                       " + " ".join(fmt(r) for r in self.acceptance_at_least),
+            f"vLLM: mean acceptance length           {fmt(self.engine['mean_acceptance_length'])}",
+            "vLLM: per-position acceptance rate     "
+            + " ".join(fmt(r) for r in self.engine["per_position_acceptance_rate"]),
+            f"vLLM: draft acceptance rate            {fmt(self.engine['draft_acceptance_rate'])}",
             f"speculative tokens/s (wall)            {fmt(self.spec_tokens_per_s)}",
             f"speculative tokens/s (target time)     {fmt(self.spec_tokens_per_target_s)}",
             f"plain decoding tokens/s                {fmt(self.plain_tokens_per_s)}",
@@ -129,6 +146,18 @@ class AcceptanceReport:
         if self.greedy_mismatches is not None:
             lines.append(f"greedy mismatches vs plain decoding    {self.greedy_mismatches}")
         return "\n".join(lines)
+
+
+def engine_acceptance(drafts: int, draft_tokens: int, accepted_per_position: list[int]) -> dict[str, Any]:
+    """vLLM's acceptance numbers from its three counters (``vllm:spec_decode_num_drafts``, ``…_num_draft_tokens``,
+    ``…_num_accepted_tokens_per_pos``), as its ``SpecDecoding metrics`` log line prints them."""
+    accepted = sum(accepted_per_position)
+    nan = float("nan")
+    return {
+        "mean_acceptance_length": 1.0 + accepted / drafts if drafts else nan,
+        "per_position_acceptance_rate": [a / drafts if drafts else nan for a in accepted_per_position],
+        "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else nan,
+    }
 
 
 # ---- evaluation -----------------------------------------------------------------------------------------------------

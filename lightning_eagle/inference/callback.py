@@ -127,6 +127,12 @@ class AcceptanceCallback(pl.Callback):
         # Step k's conditional acceptance (0-based like the training's per-step metrics); undefined ones are skipped.
         rates = enumerate(report.acceptance_per_position)
         metrics.update({f"val/accept_real_{k}": r for k, r in rates if r == r})
+        # vLLM's numbers over the same rounds, to hold next to its "SpecDecoding metrics" log line
+        engine = report.engine
+        metrics["val/vllm_mean_acceptance_length"] = engine["mean_acceptance_length"]
+        metrics["val/vllm_draft_acceptance_rate"] = engine["draft_acceptance_rate"]
+        rates = enumerate(engine["per_position_acceptance_rate"])
+        metrics.update({f"val/vllm_acceptance_rate_{k}": r for k, r in rates if r == r})
         if self.compare_plain:
             metrics["val/speedup_real"] = report.speedup
         pl_module.log_dict(metrics, rank_zero_only=True, sync_dist=False)

@@ -271,5 +271,7 @@ def test_disagreeing_aux_id_fields_are_refused(make_draft, tmp_path):
     config = json.loads((out / "config.json").read_text())
     config["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]
     (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"\(top level\) and eagle_config.eagle_aux_hidden_state_layer_ids \[2, 4, 6\] differ"):
+    with pytest.raises(
+        ValueError, match=r"\(top level\) and eagle_config.eagle_aux_hidden_state_layer_ids \[2, 4, 6\] differ"
+    ):
         KimiK3Eagle3Draft.from_pretrained(out, target_embedding=draft.embed_tokens.weight)

@@ -145,7 +145,9 @@ def test_mixed_stream_exports_with_the_engine_setting(tmp_path):
     assert fmt.engine_config_from_json(config).aux_hidden_state_stream == "mixed"
     lines = fmt.serving_instructions(config, str(tmp_path / "out"))
     assert lines[0] == "engine setting the draft needs: VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1"
-    assert lines[1].startswith("serve: VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1 vllm serve <K3 checkpoint> --speculative-config")
+    assert lines[1].startswith(
+        "serve: VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1 vllm serve <K3 checkpoint> --speculative-config"
+    )
 
 
 @pytest.mark.parametrize("fc_norm, norm_output", [(False, False), (True, False), (False, True), (True, True)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -55,8 +56,15 @@ def test_report_over_chat_file(chat_file):
     assert report.spec_target_forwards == report.num_prompts + report.num_rounds
     assert report.tau == pytest.approx(1 + sum(report.acceptance_at_least))  # every round drafted K
     assert report.spec_tokens_per_s > 0 and report.plain_tokens_per_s > 0 and report.speedup > 0
+    # vLLM's definitions over the same rounds: mean acceptance length = tau here (every round drafted K),
+    # per-position rate unconditional (accepted at j / drafts), draft rate = accepted / drafted
+    engine, K, n = report.engine, report.num_draft_tokens, report.num_rounds
+    assert engine["mean_acceptance_length"] == pytest.approx(report.tau)
+    assert engine["per_position_acceptance_rate"] == pytest.approx(report.acceptance_at_least)
+    assert engine["draft_acceptance_rate"] == pytest.approx(sum(report.accepted_per_round) / (K * n))
     text = report.format()
     assert "tau_real" in text and "greedy mismatches vs plain decoding    0" in text
+    assert "vLLM: mean acceptance length" in text
     as_dict = report.to_dict()
     assert as_dict["tau"] == report.tau and len(as_dict["acceptance_per_position"]) == 3
 
@@ -124,6 +132,22 @@ def test_callback_logs_tau_real_during_validation(tmp_path, chat_file):
     report = callback.last_report
     assert report is not None and report.num_prompts == 2 and report.num_draft_tokens == 2
     assert trainer.callback_metrics["val/tau_real"].item() == pytest.approx(report.tau)
+    logged = trainer.callback_metrics["val/vllm_mean_acceptance_length"].item()
+    assert logged == pytest.approx(report.engine["mean_acceptance_length"])
+    assert "val/vllm_draft_acceptance_rate" in trainer.callback_metrics
     assert "val/tau_sim" in trainer.callback_metrics
     tok = synthetic_k3_tokenizer()
     assert all(tok.decode(p).endswith("<|open|>think<|sep|>") for p in callback.prompts(trainer))
+
+
+def test_engine_acceptance_is_vllms_arithmetic():
+    """vllm/v1/spec_decode/metrics.py: 1 + accepted / drafts, accepted_per_pos / drafts, accepted / draft tokens."""
+    from lightning_eagle.inference.acceptance import engine_acceptance
+
+    numbers = engine_acceptance(drafts=10, draft_tokens=30, accepted_per_position=[8, 5, 2])
+    assert numbers == {
+        "mean_acceptance_length": 2.5,
+        "per_position_acceptance_rate": [0.8, 0.5, 0.2],
+        "draft_acceptance_rate": 0.5,
+    }
+    assert math.isnan(engine_acceptance(0, 0, [0, 0])["mean_acceptance_length"])

@@ -1,0 +1,138 @@
+"""Fixtures of the engine tests: the vLLM venv, a draft trained by ``cli.py fit`` and written by ``cli.py export``, the
+tiny DeepSeek-V3 target vLLM serves it with, and the probe runs (each one ``vllm.LLM`` in a subprocess of the engine
+venv, run once per session; they are the slow part, about 20 s each)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from tiny_deepseek import write_tiny_deepseek_v3
+from vllm_env import engine_python
+
+from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft, export_draft
+from lightning_eagle.k3.loader import read_config
+
+REPO = Path(__file__).resolve().parents[2]
+PROBE = Path(__file__).with_name("vllm_probe.py")
+QUICKSTART_TARGET = REPO / "lightning_eagle" / "assets" / "k3-tiny-chat" / "model.safetensors"
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.7, "mscale_all_dim": 1.0}
+AUX_IDS = [3, 0, 4]  # not ascending (the export sorts them and permutes fc) and not vLLM's default (2, 3, 3)
+K = 3  # num_speculative_tokens
+PROMPTS = [[17, 300, 45, 101, 7, 260, 99, 3], [400, 12, 250, 5, 77]]
+# vLLM's C++ rotary kernel (forward_cpu) mis-rotates the 3-D q/k that its MLA layer passes in eager mode on CPU;
+# the reference rotary path (forward_native, what torch.compile runs) is exact. The probe turns off that one op.
+REFERENCE_ROTARY = {"custom_ops": ["-rotary_embedding"]}
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    if os.environ.get("LIGHTNING_EAGLE_SKIP_ENGINE") == "1":
+        if os.environ.get("CI"):
+            raise RuntimeError("LIGHTNING_EAGLE_SKIP_ENGINE=1 is refused in CI: the engine tests must run there")
+        pytest.skip("LIGHTNING_EAGLE_SKIP_ENGINE=1: the vLLM engine tests were skipped on request")
+    return engine_python()  # a failed build raises with pip's output: loud, never a skip
+
+
+def cli(*args: str, cwd: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "cli.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, f"cli.py {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+@pytest.fixture(scope="session")
+def k3_shape_export(tmp_path_factory) -> Path:
+    """A deepseek_mla draft with K3's MLA latent (512 + rope 64, the head size vLLM's CPU decode kernel runs) and
+    DeepSeek YaRN, trained for a few steps on the quickstart target by ``cli.py fit`` and written by ``cli.py
+    export``: what a user would serve."""
+    root = tmp_path_factory.mktemp("fit")
+    cli(
+        "fit", "--config", str(REPO / "configs" / "quickstart_deepseek_mla.yaml"),
+        "--trainer.default_root_dir", str(root), "--trainer.max_steps", "6", "--trainer.val_check_interval", "6",
+        "--trainer.limit_val_batches", "1", "--model.draft.kv_lora_rank", "512", "--model.draft.qk_rope_head_dim", "64",
+        "--model.aux_layer_ids", json.dumps(AUX_IDS), "--model.draft.rope_scaling", json.dumps(YARN),
+        cwd=root,
+    )  # fmt: skip
+    out = cli("export", str(root / "checkpoints" / "last.ckpt"), str(root / "served"), cwd=root)
+    assert "engine setting the draft needs: VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=0" in out
+    return root / "served"
+
+
+@pytest.fixture(scope="session")
+def quickstart_shape_export(tmp_path_factory) -> Path:
+    """The quickstart's deepseek_mla shape (latent 32 + rope 8): vLLM's CPU decode kernel cannot run its head size,
+    so only the draft-extend pass over the prompt (SDPA prefill) is served, with one speculative token."""
+    torch.manual_seed(5)
+    config = Eagle3DraftConfig.from_target_config(
+        read_config(QUICKSTART_TARGET.parent), architecture="deepseek_mla", intermediate_size=256, draft_vocab_size=320,
+        aux_layer_ids=[1, 3, 5], aux_hidden_state_stream="prefix", fc_norm=True,
+    )  # fmt: skip
+    draft = KimiK3Eagle3Draft(config)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+        draft.set_vocab_mapping(torch.sort(torch.randperm(config.vocab_size)[: config.draft_vocab_size]).values)
+    return export_draft(draft, tmp_path_factory.mktemp("quickstart_shape") / "served")
+
+
+def target_embedding() -> torch.Tensor:
+    with safe_open(str(QUICKSTART_TARGET), "pt") as f:
+        return f.get_tensor("language_model.model.embed_tokens.weight").float()
+
+
+@pytest.fixture(scope="session")
+def engine_target(tmp_path_factory) -> Path:
+    return write_tiny_deepseek_v3(tmp_path_factory.mktemp("target") / "tiny-deepseek-v3", target_embedding(), 6)
+
+
+class ProbeRun:
+    """One ``vllm_probe.py`` run: ``result`` (its JSON) and ``captures`` (its tensors)."""
+
+    def __init__(self, folder: Path):
+        self.result = json.loads((folder / "result.json").read_text())
+        captures = folder / "captures.safetensors"
+        self.captures = load_file(str(captures)) if captures.exists() else {}
+
+
+def probe(python: Path, folder: Path, **request) -> ProbeRun:
+    folder.mkdir(parents=True, exist_ok=True)
+    request = {"out": str(folder), "env": {}, "compilation_config": REFERENCE_ROTARY, **request}
+    (folder / "request.json").write_text(json.dumps(request))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default takes most of the machine's memory
+    done = subprocess.run(
+        [str(python), str(PROBE), str(folder / "request.json")], capture_output=True, text=True, env=env, timeout=900
+    )
+    (folder / "log.txt").write_text(done.stdout + done.stderr)
+    assert done.returncode == 0, f"vLLM probe failed (log: {folder / 'log.txt'}):\n{done.stderr[-4000:]}"
+    return ProbeRun(folder)
+
+
+@pytest.fixture(scope="session")
+def engine_runs(vllm_python, k3_shape_export, quickstart_shape_export, engine_target, tmp_path_factory) -> dict:
+    """Every engine run the tests read, two at a time (each vLLM process keeps itself to one thread)."""
+    root = tmp_path_factory.mktemp("engine")
+    common = {"target": str(engine_target), "prompts": PROMPTS}
+    runs = {
+        "fp32": dict(draft=str(k3_shape_export), dtype="float32", num_speculative_tokens=K, max_tokens=16),
+        "bf16": dict(draft=str(k3_shape_export), dtype="bfloat16", num_speculative_tokens=K, max_tokens=16),
+        "plain": dict(draft=None, dtype="float32", num_speculative_tokens=0, max_tokens=16),
+        "quickstart_fp32": dict(draft=str(quickstart_shape_export), dtype="float32", num_speculative_tokens=1,
+                                max_tokens=1),
+        "quickstart_bf16": dict(draft=str(quickstart_shape_export), dtype="bfloat16", num_speculative_tokens=1,
+                                max_tokens=1),
+    }  # fmt: skip
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(probe, vllm_python, root / name, **common, **r) for name, r in runs.items()}
+        return {name: future.result() for name, future in futures.items()}

