@@ -136,7 +136,8 @@ def load_pretrained(
                     f"target_embedding has shape {tuple(target_embedding.shape)}, the draft in {folder} needs "
                     f"{(config.vocab_size, config.hidden_size)} (vocab_size, hidden_size)"
                 )
-            state["embed_tokens.weight"] = target_embedding.detach().to(state["fc.weight"].dtype).clone()
+            # in the dtype asked for: a bf16 export served in fp32 shares the fp32 target table, unrounded (vLLM does)
+            state["embed_tokens.weight"] = target_embedding.detach().to(dtype or state["fc.weight"].dtype).clone()
         else:
             warnings.warn(
                 f"{folder} has no embed_tokens.weight (frozen embedding omitted); the draft's embedding is NaN until "

@@ -25,6 +25,12 @@ with ``fc``'s input columns (and ``fc_norm``) permuted to that order (:func:`eng
 same function. Our own 0-based ids, in ``fc`` order, are the project field ``aux_layer_ids``. Our tap ``L`` (the
 pre-norm final state, `k3_target.md` §6.4) would be engine id ``L + 1``, which no engine captures: refused.
 
+SGLang 0.5.23 (read, not run: it does not install on CPU) reads the ids from ``eagle_config`` only, uses them as
+given except that it adds 1 to all of them when the first is 1 (so exporting a draft that taps our layer 0 warns),
+and has no EAGLE-3 capture in its K3 model (``kimi_k3.py``: DFlash/DSpark only); its ``Eagle3DeepseekV2ForCausalLM``
+(``kimi_k25_eagle3.py``) loads the same names, registers ``kimi_k2`` as a DeepSeek-V3 config, serves ``fc_norm`` and
+``norm_output``, and skips unknown weights (``g_proj``) with only a warning.
+
 Aux stream: vLLM's K3 model captures the *prefix* stream by default and the AttnRes ``"mixed"`` stream (the mixture
 that layer ``j`` reads) with ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1``; the export records the setting the draft needs
 under ``serving_env`` and ``cli.py export`` prints it (:func:`serving_instructions`).
@@ -287,6 +293,13 @@ def engine_aux_order(config: Eagle3DraftConfig) -> list[int]:
             f"aux_layer_ids {ids} contain L={L} (the pre-norm final state): the engines number aux states by the "
             f"layer they enter (engine id = our id + 1), so it would be engine id {L + 1}, which vLLM never captures "
             f"for a {L}-layer target (a shape error at serving time); train with ids in [0, {L - 1}]"
+        )
+    if min(ids) == 0:
+        warnings.warn(
+            f"aux_layer_ids {ids} tap layer 0, i.e. engine id 1: SGLang 0.5.23 adds 1 to every configured id when the "
+            "first one is 1 (deepseek_v2.py set_eagle3_layers_to_capture), so SGLang would feed this draft the "
+            "states one layer later than it was trained on; vLLM serves it as trained",
+            stacklevel=4,
         )
     return sorted(range(len(ids)), key=ids.__getitem__)
 

@@ -166,6 +166,12 @@ def test_unsorted_aux_ids_export_sorted_with_fc_permuted(tmp_path, fc_norm, norm
     torch.testing.assert_close(unroll(loaded, sorted_batch), unroll(draft, batch), rtol=1e-5, atol=1e-5)
 
 
+def test_tapping_layer_zero_warns_about_sglangs_plus_one(tmp_path):
+    with pytest.warns(UserWarning, match="SGLang 0.5.23 adds 1 to every configured id when the first one is 1"):
+        config, _ = export(mla_draft(aux_layer_ids=[0, 2, 4]), tmp_path / "out")
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+
+
 def test_non_default_theta_without_scaling_warns(tmp_path):
     with pytest.warns(UserWarning, match="base 10000"):
         export_draft(mla_draft(rope_theta=50000.0), tmp_path / "out")

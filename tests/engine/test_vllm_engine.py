@@ -84,7 +84,7 @@ def test_speculative_config_resolves_our_export_unchanged(engine_runs, k3_shape_
     assert config["method"] == "eagle3" and config["num_speculative_tokens"] == K
     assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
     written = json.loads((k3_shape_export / "config.json").read_text())
-    assert written["model_type"] == "kimi_k2" and written["eagle_aux_hidden_state_layer_ids"] == [1, 4, 5]
+    assert written["model_type"] == "kimi_k2" and written["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
 
 
 # ---- (b) load ----------------------------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ def test_vllm_prefill_equals_our_step0_quickstart_shape_with_fc_norm(engine_runs
 
 def test_vllm_feeds_target_layer_outputs_at_sorted_one_based_ids(engine_runs):
     """Engine id j = the hidden state entering target layer j (its layer j-1 output, hidden + residual), sorted:
-    our ids [3, 0, 4] are served as [1, 4, 5] with fc permuted, so the aux chunks are layers 0, 3, 4."""
+    our ids [4, 1, 3] are served as [2, 4, 5] with fc permuted, so the aux chunks are layers 1, 3, 4."""
     captures = engine_runs["fp32"].captures
     tokens = captures["draft.0.positions"].numel()
     expected = torch.cat([captures[f"target.layer.{i}"][:tokens] for i in sorted(AUX_IDS)], dim=-1)
@@ -136,6 +136,18 @@ def test_speculative_greedy_output_equals_the_engine_without_draft(engine_runs):
     assert [len(t) for t in with_draft["tokens"]] == [16] * len(PROMPTS)
     assert with_draft["tokens"] == plain["tokens"]
     assert not plain["metrics"].get("vllm:spec_decode_num_drafts")
+
+
+def test_the_served_target_is_hugging_faces_deepseek_v3(engine_runs, engine_target):
+    """The engine's target, without the draft, decodes what transformers' own DeepseekV3 decodes: the reference
+    the draft-attached run is held to is itself right."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(engine_target, dtype=torch.float32).eval()
+    for prompt, tokens in zip(PROMPTS, engine_runs["plain"].result["tokens"]):
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+        assert out[0, len(prompt) :].tolist() == tokens
 
 
 def test_spec_decode_counters_are_consistent(engine_runs):

@@ -81,6 +81,22 @@ def proposer_load_model(self, target_model):
     if d2t is not None:
         keep("load.draft_id_to_target_id", d2t)
     load["draft_class"] = type(self.model).__name__
+    for name, module in self.model.named_modules():  # first call of each draft submodule, to localise a mismatch
+        if name.count(".") <= 4 and name:
+            module.register_forward_hook(first_call_hook(f"module.{name}"))
+
+
+def first_call_hook(name: str):
+    def hook(module, args, output):
+        if f"{name}.out" in captures:
+            return
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor):
+            keep(f"{name}.out", out)
+        if args and isinstance(args[0], torch.Tensor):
+            keep(f"{name}.in", args[0])
+
+    return hook
 
 
 original_forward, original_combine, original_logits = Draft.forward, Draft.combine_hidden_states, Draft.compute_logits
