@@ -4,8 +4,11 @@ the ``config.json`` fields, in both directions. Writing is :mod:`lightning_eagle
 
 Two formats, one per draft architecture:
 
-* ``architecture="k3"`` → ``Eagle3KimiK3ForCausalLM`` (§14.2): our layout (``midlayer.*``); no engine has this
-  class, so engines refuse it loudly instead of silently serving the gated SiTU layer wrong.
+* ``architecture="k3"`` → ``Eagle3KimiK3ForCausalLM`` (§14.2): our layout (``midlayer.*``, which vLLM's EAGLE-3
+  loaders rename to ``layers.0.``), ``model_type "kimi_k2"`` (§14.2 keeps the reference's ``kimi_linear``; vLLM
+  parses the MLA fields with the DeepSeek-V3 class). vLLM serves it through our plugin
+  (:mod:`lightning_eagle.serving.vllm_k3_draft`); an engine without the plugin refuses the unknown architecture
+  loudly instead of serving the gated SiTU layer as something else.
 * ``architecture="deepseek_mla"`` → ``Eagle3DeepseekV2ForCausalLM`` with ``model_type "kimi_k2"``: what vLLM 0.32
   (``vllm/model_executor/models/deepseek_eagle3.py``, proven with vLLM's own code in ``tests/engine``) and SGLang
   (``python/sglang/srt/models/kimi_k25_eagle3.py``) load. ``model_type`` matters: vLLM rewrites any draft whose
@@ -52,8 +55,7 @@ from lightning_eagle.draft.config import (
 )
 from lightning_eagle.draft.reference_import import sort_vocabulary
 
-ARCHITECTURE = "Eagle3KimiK3ForCausalLM"  # §14.2 decision: engines must refuse it loudly until a K3 head exists
-MODEL_TYPE = "kimi_linear"
+ARCHITECTURE = "Eagle3KimiK3ForCausalLM"  # served by our vLLM plugin (lightning_eagle.serving); refused without it
 ENGINE_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"  # SGLang and vLLM (vLLM also aliases Eagle3DeepseekV3ForCausalLM)
 ENGINE_MODEL_TYPE = "kimi_k2"  # not deepseek_v3: vLLM turns that into a DeepSeek MTP draft (module docstring)
 AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"  # one-based, the engines' numbering
@@ -198,7 +200,15 @@ def config_to_json(config: Eagle3DraftConfig, torch_dtype: torch.dtype) -> dict[
         )
     if config.architecture == "deepseek_mla":
         return engine_config_to_json(config, torch_dtype)
-    data: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "num_hidden_layers": 1}
+    check_ascending(config)
+    if config.q_lora_rank is None:
+        warnings.warn(
+            f"q_lora_rank is null: the vLLM plugin's {ARCHITECTURE} serves drafts with a Q-LoRA only (this export is "
+            "still re-importable)",
+            stacklevel=3,
+        )
+    # kimi_k2: the DeepSeek-V3 config class vLLM and SGLang parse MLA drafts with (module docstring)
+    data: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": ENGINE_MODEL_TYPE, "num_hidden_layers": 1}
     data.update({name: getattr(config, name) for name in _PLAIN_FIELDS})
     data["tie_word_embeddings"] = False
     data["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
@@ -322,12 +332,16 @@ def to_engine_aux_order(
     return state, config.replace(aux_layer_ids=[config.aux_layer_ids[i] for i in order])
 
 
-def engine_config_to_json(config: Eagle3DraftConfig, torch_dtype: torch.dtype) -> dict[str, Any]:
-    """``config.json`` of the engine format (module docstring); ``config``'s aux ids must already be ascending
-    (:func:`to_engine_aux_order`)."""
+def check_ascending(config: Eagle3DraftConfig) -> None:
     order = engine_aux_order(config)
     if order != sorted(order):
         raise ValueError(f"aux_layer_ids {config.aux_layer_ids} are not ascending: export through to_engine_aux_order")
+
+
+def engine_config_to_json(config: Eagle3DraftConfig, torch_dtype: torch.dtype) -> dict[str, Any]:
+    """``config.json`` of the engine format (module docstring); ``config``'s aux ids must already be ascending
+    (:func:`to_engine_aux_order`)."""
+    check_ascending(config)
     if config.rope_scaling is None and config.rope_theta != DEFAULT_ROPE_THETA:
         warnings.warn(
             f"rope_theta={config.rope_theta} without rope_scaling: vLLM's {ENGINE_ARCHITECTURE} rebuilds its rope "
@@ -355,12 +369,16 @@ def engine_config_to_json(config: Eagle3DraftConfig, torch_dtype: torch.dtype) -
 
 def serving_instructions(config_json: dict[str, Any], folder: str) -> list[str]:
     """What a user must set to serve the export at ``folder`` (printed by ``cli.py export``)."""
-    if config_json.get("architectures") != [ENGINE_ARCHITECTURE]:
-        return [f"{folder}: {ARCHITECTURE} (the K3-faithful draft): no engine serves this class yet"]
     env = config_json.get(SERVING_ENV_KEY) or {}
     prefix = " ".join(f"{k}={v}" for k, v in sorted(env.items()))
     spec = json.dumps({"method": "eagle3", "model": folder, "num_speculative_tokens": 3})
-    return [
+    lines = []
+    if config_json.get("architectures") == [ARCHITECTURE]:
+        lines.append(
+            f"{ARCHITECTURE} (the K3-faithful draft) is served by vLLM with our plugin: "
+            'pip install "lightning_eagle[vllm]"'
+        )
+    return lines + [
         f"engine setting the draft needs: {prefix}" if prefix else "engine setting: none",
         f"serve: {prefix} vllm serve <K3 checkpoint> --speculative-config '{spec}'".replace("  ", " "),
     ]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from draft_helpers import tiny_batch
 from safetensors.torch import load_file
 
 from lightning_eagle.draft import KimiK3Eagle3Draft, TTTCache, export_draft
@@ -67,6 +68,7 @@ def test_key_set_shapes_and_config(make_draft, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert not [k for k in REQUIRED_CONFIG if k not in config]
     assert config["architectures"] == ["Eagle3KimiK3ForCausalLM"] and config["num_hidden_layers"] == 1
+    assert config["model_type"] == "kimi_k2"  # the DeepSeek-V3 config class vLLM parses MLA drafts with
     # our 0-based taps under our own key; the engines' key holds one-based ids (issue 19), top level and nested
     assert config["aux_layer_ids"] == [1, 3, 5] and config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 4, 6], "use_aux_hidden_state": True}
@@ -220,14 +222,16 @@ def test_aux_ids_are_required_and_validated(make_draft, tmp_path):
     draft.config.aux_layer_ids = None
     with pytest.raises(ValueError, match="aux_layer_ids"):
         export_draft(draft, tmp_path / "a")
-    out = export_draft(draft, tmp_path / "b", aux_layer_ids=[2, 0, 4])
+    with pytest.warns(UserWarning, match="SGLang"):  # taps layer 0
+        out = export_draft(draft, tmp_path / "b", aux_layer_ids=[2, 0, 4])
     written = json.loads((out / "config.json").read_text())
-    assert written["aux_layer_ids"] == [2, 0, 4] and written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
-        3,
+    # vLLM sorts the ids: written ascending, fc's input chunks permuted to match (tests/draft/test_engine_export.py)
+    assert written["aux_layer_ids"] == [0, 2, 4] and written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
         1,
+        3,
         5,
     ]
-    with pytest.warns(UserWarning, match="L=6"):
+    with pytest.raises(ValueError, match="would be engine id 7, which vLLM never captures"):
         export_draft(draft, tmp_path / "c", aux_layer_ids=[1, 3, 6])
     with pytest.raises(ValueError, match="outside"):
         export_draft(draft, tmp_path / "d", aux_layer_ids=[1, 3, 7])
@@ -275,3 +279,16 @@ def test_disagreeing_aux_id_fields_are_refused(make_draft, tmp_path):
         ValueError, match=r"\(top level\) and eagle_config.eagle_aux_hidden_state_layer_ids \[2, 4, 6\] differ"
     ):
         KimiK3Eagle3Draft.from_pretrained(out, target_embedding=draft.embed_tokens.weight)
+
+
+def test_k3_export_sorts_unsorted_aux_ids_with_fc_permuted(make_draft, tmp_path):
+    """Like the engine format (vLLM sorts the ids for our plugin's class too): the same function, ascending ids."""
+    draft = make_draft(aux_layer_ids=[5, 1, 3], fc_norm=True)
+    out = export_draft(draft, tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]
+    loaded = KimiK3Eagle3Draft.from_pretrained(out, target_embedding=draft.embed_tokens.weight)
+    batch = tiny_batch(draft.config)
+    a5, a1, a3 = batch["aux_hidden_states"].chunk(3, dim=-1)
+    reordered = {**batch, "aux_hidden_states": torch.cat([a1, a3, a5], dim=-1)}
+    for ours, theirs in zip(logits_after(loaded, reordered), logits_after(draft, batch)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

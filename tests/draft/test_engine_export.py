@@ -458,3 +458,17 @@ def test_engine_forward_equals_our_ttt_steps(tmp_path, rope_scaling):
     for j in range(1, K):
         full, hidden = engine.forward(x[0, n + j : n + j + 1], hidden, torch.tensor([n - 1 + j]))
         torch.testing.assert_close(full[0, selected], ours[j][n - 1], rtol=1e-4, atol=1e-5)
+
+
+def test_an_export_missing_a_tensor_is_refused_by_our_completeness_check(tmp_path):
+    """vLLM 0.32 would load it: its load_weights returns None, so nothing reports half of gate_up_proj unset."""
+    from lightning_eagle.draft.pretrained import check_export
+
+    _, weights = export(mla_draft(), tmp_path / "out")
+    weights.pop("layers.0.mlp.up_proj.weight")
+    save_file(weights, str(tmp_path / "out" / "model.safetensors"))
+    with pytest.raises(
+        ValueError,
+        match=r"does not match .*config.json: export key set mismatch: missing \['midlayer.mlp.up_proj.weight'\]",
+    ):
+        check_export(tmp_path / "out")

@@ -52,22 +52,46 @@ def cli(*args: str, cwd: Path) -> str:
     return done.stdout
 
 
-@pytest.fixture(scope="session")
-def k3_shape_export(tmp_path_factory) -> Path:
-    """A deepseek_mla draft with K3's MLA latent (512 + rope 64, the head size vLLM's CPU decode kernel runs) and
-    DeepSeek YaRN, trained for a few steps on the quickstart target by ``cli.py fit`` and written by ``cli.py
-    export``: what a user would serve."""
-    root = tmp_path_factory.mktemp("fit")
+def fit_and_export(root: Path, config: str, *overrides: str) -> Path:
+    """``cli.py fit`` for a few steps on the quickstart target with K3's MLA latent (512 + rope 64: the head size
+    vLLM's CPU decode kernel runs), then ``cli.py export``: what a user would serve."""
     cli(
-        "fit", "--config", str(REPO / "configs" / "quickstart_deepseek_mla.yaml"),
-        "--trainer.default_root_dir", str(root), "--trainer.max_steps", "6", "--trainer.val_check_interval", "6",
-        "--trainer.limit_val_batches", "1", "--model.draft.kv_lora_rank", "512", "--model.draft.qk_rope_head_dim", "64",
-        "--model.aux_layer_ids", json.dumps(AUX_IDS), "--model.draft.rope_scaling", json.dumps(YARN),
+        "fit", "--config", str(REPO / "configs" / config), "--trainer.default_root_dir", str(root),
+        "--trainer.max_steps", "6", "--trainer.val_check_interval", "6", "--trainer.limit_val_batches", "1",
+        "--model.draft.kv_lora_rank", "512", "--model.draft.qk_rope_head_dim", "64",
+        "--model.aux_layer_ids", json.dumps(AUX_IDS), *overrides,
         cwd=root,
     )  # fmt: skip
     out = cli("export", str(root / "checkpoints" / "last.ckpt"), str(root / "served"), cwd=root)
     assert "engine setting the draft needs: VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=0" in out
     return root / "served"
+
+
+@pytest.fixture(scope="session")
+def k3_shape_export(tmp_path_factory) -> Path:
+    """The ``deepseek_mla`` draft (vLLM's own ``Eagle3DeepseekV2ForCausalLM``) with DeepSeek YaRN."""
+    root = tmp_path_factory.mktemp("fit")
+    return fit_and_export(root, "quickstart_deepseek_mla.yaml", "--model.draft.rope_scaling", json.dumps(YARN))
+
+
+@pytest.fixture(scope="session")
+def k3_draft_export(tmp_path_factory) -> Path:
+    """The default K3-faithful draft (NoPE gated MLA + SiTU), served through our plugin."""
+    return fit_and_export(tmp_path_factory.mktemp("fit_k3"), "quickstart.yaml")
+
+
+@pytest.fixture(scope="session")
+def plugin_site(vllm_python, tmp_path_factory) -> Path:
+    """This checkout installed (no dependencies) into a folder on the engine's ``PYTHONPATH``: pip writes the
+    ``vllm.general_plugins`` entry point from ``pyproject.toml``, as ``pip install "lightning_eagle[vllm]"`` does."""
+    site = tmp_path_factory.mktemp("plugin_site")
+    done = subprocess.run(
+        [str(vllm_python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site),
+         str(REPO)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, f"installing the plugin into the engine venv failed:\n{done.stderr[-3000:]}"
+    return site
 
 
 @pytest.fixture(scope="session")
@@ -107,22 +131,32 @@ class ProbeRun:
         self.captures = load_file(str(captures)) if captures.exists() else {}
 
 
-def probe(python: Path, folder: Path, **request) -> ProbeRun:
+def probe(python: Path, folder: Path, plugin: Path | None = None, fails: bool = False, **request) -> ProbeRun | str:
+    """Run ``vllm_probe.py``; ``plugin``: the folder with our installed package (on ``PYTHONPATH``). ``fails``: the
+    run must fail; returns its log."""
     folder.mkdir(parents=True, exist_ok=True)
     request = {"out": str(folder), "env": {}, "compilation_config": REFERENCE_ROTARY, **request}
     (folder / "request.json").write_text(json.dumps(request))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default takes most of the machine's memory
+    if plugin is not None:
+        env["PYTHONPATH"] = str(plugin)
     done = subprocess.run(
         [str(python), str(PROBE), str(folder / "request.json")], capture_output=True, text=True, env=env, timeout=900
     )
-    (folder / "log.txt").write_text(done.stdout + done.stderr)
+    log = done.stdout + done.stderr
+    (folder / "log.txt").write_text(log)
+    if fails:
+        assert done.returncode != 0, f"the vLLM probe was expected to fail (log: {folder / 'log.txt'})"
+        return log
     assert done.returncode == 0, f"vLLM probe failed (log: {folder / 'log.txt'}):\n{done.stderr[-4000:]}"
     return ProbeRun(folder)
 
 
 @pytest.fixture(scope="session")
-def engine_runs(vllm_python, k3_shape_export, quickstart_shape_export, engine_target, tmp_path_factory) -> dict:
+def engine_runs(
+    vllm_python, k3_shape_export, quickstart_shape_export, k3_draft_export, plugin_site, engine_target, tmp_path_factory
+) -> dict:
     """Every engine run the tests read, two at a time (each vLLM process keeps itself to one thread)."""
     root = tmp_path_factory.mktemp("engine")
     common = {"target": str(engine_target), "prompts": PROMPTS}
@@ -134,6 +168,12 @@ def engine_runs(vllm_python, k3_shape_export, quickstart_shape_export, engine_ta
                                 max_tokens=1),
         "quickstart_bf16": dict(draft=str(quickstart_shape_export), dtype="bfloat16", num_speculative_tokens=1,
                                 max_tokens=1),
+        "k3_fp32": dict(draft=str(k3_draft_export), dtype="float32", num_speculative_tokens=K, max_tokens=16,
+                        plugin=plugin_site),
+        "k3_bf16": dict(draft=str(k3_draft_export), dtype="bfloat16", num_speculative_tokens=K, max_tokens=16,
+                        plugin=plugin_site),
+        "k3_without_plugin": dict(draft=str(k3_draft_export), dtype="float32", num_speculative_tokens=K,
+                                  max_tokens=1, fails=True),
     }  # fmt: skip
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(probe, vllm_python, root / name, **common, **r) for name, r in runs.items()}

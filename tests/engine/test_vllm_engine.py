@@ -12,6 +12,10 @@ export`` (``conftest.k3_shape_export``); the target is a tiny random DeepSeek-V3
     target layers ``id - 1`` (one-based ids, sorted by vLLM; the export sorted them and permuted ``fc``);
 (d) a full ``vllm.LLM`` engine generates with speculative decoding, greedy output identical to the same engine
     without the draft, and its spec-decode counters are consistent.
+
+All of it for both draft architectures: ``deepseek_mla`` on vLLM's ``Eagle3DeepseekV2ForCausalLM``, and the default
+K3-faithful draft on our plugin's ``Eagle3KimiK3ForCausalLM`` (``lightning_eagle/serving``), which this checkout
+installs into the engine venv the way pip installs the package (``conftest.plugin_site``).
 """
 
 from __future__ import annotations
@@ -79,16 +83,32 @@ def compare_first_round(draft: KimiK3Eagle3Draft, captures: dict, steps: int, dt
 
 
 # ---- (a) config --------------------------------------------------------------------------------------------------
-def test_speculative_config_resolves_our_export_unchanged(engine_runs, k3_shape_export):
-    config = engine_runs["fp32"].result["config"]
+@pytest.mark.parametrize(
+    "run, export, architecture",
+    [
+        ("fp32", "k3_shape_export", "Eagle3DeepseekV2ForCausalLM"),  # vLLM's own class
+        ("k3_fp32", "k3_draft_export", "Eagle3KimiK3ForCausalLM"),  # ours, registered by the plugin
+    ],
+)
+def test_speculative_config_resolves_our_export_unchanged(engine_runs, run, export, architecture, request):
+    config = engine_runs[run].result["config"]
     assert config["method"] == "eagle3" and config["num_speculative_tokens"] == K
-    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
-    written = json.loads((k3_shape_export / "config.json").read_text())
+    assert config["architectures"] == [architecture]
+    assert engine_runs[run].result["load"]["draft_class"] == architecture
+    written = json.loads((request.getfixturevalue(export) / "config.json").read_text())
     assert written["model_type"] == "kimi_k2" and written["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
 
 
+def test_without_the_plugin_vllm_refuses_the_k3_draft_loudly(engine_runs):
+    log = engine_runs["k3_without_plugin"]
+    assert "Model architectures ['Eagle3KimiK3ForCausalLM'] are not supported" in log
+
+
 # ---- (b) load ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("run, export", [("fp32", "k3_shape_export"), ("quickstart_fp32", "quickstart_shape_export")])
+@pytest.mark.parametrize(
+    "run, export",
+    [("fp32", "k3_shape_export"), ("quickstart_fp32", "quickstart_shape_export"), ("k3_fp32", "k3_draft_export")],
+)
 def test_vllm_loader_consumes_every_tensor_and_leaves_nothing_unset(engine_runs, run, export, request):
     from safetensors import safe_open
 
@@ -114,6 +134,15 @@ def test_vllm_forward_equals_our_ttt_steps_k3_latent_yarn(engine_runs, k3_shape_
     print(f"{run}: max |ours - vLLM| per step {deltas}")
 
 
+@pytest.mark.parametrize("run, dtype", [("k3_fp32", torch.float32), ("k3_bf16", torch.bfloat16)])
+def test_plugin_forward_equals_our_ttt_steps_k3_draft(engine_runs, k3_draft_export, run, dtype):
+    """The K3-faithful draft (NoPE gated MLA + SiTU) in vLLM through our plugin: the same parity."""
+    captures = engine_runs[run].captures
+    deltas = compare_first_round(our_draft(k3_draft_export, dtype), captures, steps=K, dtype=dtype)
+    assert sorted(deltas) == list(range(K))
+    print(f"{run}: max |ours - vLLM| per step {deltas}")
+
+
 @pytest.mark.parametrize("run, dtype", [("quickstart_fp32", torch.float32), ("quickstart_bf16", torch.bfloat16)])
 def test_vllm_prefill_equals_our_step0_quickstart_shape_with_fc_norm(engine_runs, quickstart_shape_export, run, dtype):
     captures = engine_runs[run].captures
@@ -121,18 +150,20 @@ def test_vllm_prefill_equals_our_step0_quickstart_shape_with_fc_norm(engine_runs
     print(f"{run}: max |ours - vLLM| step 0 {deltas}")
 
 
-def test_vllm_feeds_target_layer_outputs_at_sorted_one_based_ids(engine_runs):
+@pytest.mark.parametrize("run", ["fp32", "k3_fp32"])
+def test_vllm_feeds_target_layer_outputs_at_sorted_one_based_ids(engine_runs, run):
     """Engine id j = the hidden state entering target layer j (its layer j-1 output, hidden + residual), sorted:
     our ids [4, 1, 3] are served as [2, 4, 5] with fc permuted, so the aux chunks are layers 1, 3, 4."""
-    captures = engine_runs["fp32"].captures
+    captures = engine_runs[run].captures
     tokens = captures["draft.0.positions"].numel()
     expected = torch.cat([captures[f"target.layer.{i}"][:tokens] for i in sorted(AUX_IDS)], dim=-1)
     torch.testing.assert_close(captures["combine.0.aux"], expected, rtol=0, atol=0)
 
 
 # ---- (d) the engine, end to end ----------------------------------------------------------------------------------
-def test_speculative_greedy_output_equals_the_engine_without_draft(engine_runs):
-    with_draft, plain = engine_runs["fp32"].result, engine_runs["plain"].result
+@pytest.mark.parametrize("run", ["fp32", "k3_fp32"])
+def test_speculative_greedy_output_equals_the_engine_without_draft(engine_runs, run):
+    with_draft, plain = engine_runs[run].result, engine_runs["plain"].result
     assert [len(t) for t in with_draft["tokens"]] == [16] * len(PROMPTS)
     assert with_draft["tokens"] == plain["tokens"]
     assert not plain["metrics"].get("vllm:spec_decode_num_drafts")
@@ -150,8 +181,9 @@ def test_the_served_target_is_hugging_faces_deepseek_v3(engine_runs, engine_targ
         assert out[0, len(prompt) :].tolist() == tokens
 
 
-def test_spec_decode_counters_are_consistent(engine_runs):
-    m = engine_runs["fp32"].result["metrics"]
+@pytest.mark.parametrize("run", ["fp32", "k3_fp32"])
+def test_spec_decode_counters_are_consistent(engine_runs, run):
+    m = engine_runs[run].result["metrics"]
     drafts, tokens = m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_draft_tokens"]
     accepted, per_position = (
         m["vllm:spec_decode_num_accepted_tokens"],
