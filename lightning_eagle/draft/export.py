@@ -75,7 +75,8 @@ def export_draft(
         dtype = torch.bfloat16
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    state, config = fmt.to_engine_aux_order(state, config)  # both formats are served by vLLM, which sorts the ids
+    if config.aux_layer_ids is not None:  # None: config_to_json refuses with the reason
+        state, config = fmt.to_engine_aux_order(state, config)  # both formats are served by vLLM, which sorts ids
     torch_dtype = fmt.check_state(state, config, include_embeddings)
     config_json = fmt.config_to_json(config, torch_dtype)
     # safetensors refuses shared / non-contiguous storage; a detached contiguous CPU copy of each tensor is safe.

@@ -24,7 +24,7 @@ import json
 
 import pytest
 import torch
-from conftest import AUX_IDS, PROMPTS, K, target_embedding
+from engine_helpers import AUX_IDS, PROMPTS, K, target_embedding
 
 from lightning_eagle.draft import KimiK3Eagle3Draft, TTTCache
 from lightning_eagle.inference.acceptance import engine_acceptance
