@@ -126,19 +126,18 @@ def test_vllm_loader_consumes_every_tensor_and_leaves_nothing_unset(engine_runs,
 
 
 # ---- (c) forward parity --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("run, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
-def test_vllm_forward_equals_our_ttt_steps_k3_latent_yarn(engine_runs, k3_shape_export, run, dtype):
-    captures = engine_runs[run].captures
-    deltas = compare_first_round(our_draft(k3_shape_export, dtype), captures, steps=K, dtype=dtype)
-    assert sorted(deltas) == list(range(K))
-    print(f"{run}: max |ours - vLLM| per step {deltas}")
-
-
-@pytest.mark.parametrize("run, dtype", [("k3_fp32", torch.float32), ("k3_bf16", torch.bfloat16)])
-def test_plugin_forward_equals_our_ttt_steps_k3_draft(engine_runs, k3_draft_export, run, dtype):
-    """The K3-faithful draft (NoPE gated MLA + SiTU) in vLLM through our plugin: the same parity."""
-    captures = engine_runs[run].captures
-    deltas = compare_first_round(our_draft(k3_draft_export, dtype), captures, steps=K, dtype=dtype)
+@pytest.mark.parametrize(
+    "run, export, dtype",
+    [
+        ("fp32", "k3_shape_export", torch.float32),  # deepseek_mla, K3 latent, YaRN: vLLM's own class
+        ("bf16", "k3_shape_export", torch.bfloat16),
+        ("k3_fp32", "k3_draft_export", torch.float32),  # K3-faithful (NoPE gated MLA + SiTU): our plugin's class
+        ("k3_bf16", "k3_draft_export", torch.bfloat16),
+    ],
+)
+def test_vllm_forward_equals_our_ttt_steps(engine_runs, run, export, dtype, request):
+    draft = our_draft(request.getfixturevalue(export), dtype)
+    deltas = compare_first_round(draft, engine_runs[run].captures, steps=K, dtype=dtype)
     assert sorted(deltas) == list(range(K))
     print(f"{run}: max |ours - vLLM| per step {deltas}")
 

@@ -113,22 +113,22 @@ def forward(self, input_ids, positions, hidden_states, inputs_embeds=None):
     return normed, carried
 
 
-def combine_hidden_states(self, hidden_states):
-    i = calls["combine"]
-    calls["combine"] += 1
-    out = original_combine(self, hidden_states)
-    keep(f"combine.{i}.aux", hidden_states)
-    keep(f"combine.{i}.out", out)
-    return out
+def one_tensor_recorder(original, tag: str, input_name: str):
+    """Wrap a ``method(self, tensor) -> tensor``: record its i-th call's input and output as ``{tag}.{i}.*``."""
+
+    def recorded(self, hidden_states):
+        i = calls[tag]
+        calls[tag] += 1
+        out = original(self, hidden_states)
+        keep(f"{tag}.{i}.{input_name}", hidden_states)
+        keep(f"{tag}.{i}.out", out)
+        return out
+
+    return recorded
 
 
-def compute_logits(self, hidden_states):
-    i = calls["logits"]
-    calls["logits"] += 1
-    logits = original_logits(self, hidden_states)
-    keep(f"logits.{i}.hidden", hidden_states)
-    keep(f"logits.{i}.out", logits)
-    return logits
+combine_hidden_states = one_tensor_recorder(original_combine, "combine", "aux")
+compute_logits = one_tensor_recorder(original_logits, "logits", "hidden")
 
 
 original_layer_forward = deepseek_v2.DeepseekV2DecoderLayer.forward
