@@ -10,10 +10,11 @@ serving process running as another user must be able to read an export.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 PARTIAL_SUFFIX = ".partial"
@@ -75,16 +76,54 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def weights_folder_problem(folder: Path, architectures: frozenset[str]) -> str | None:
+    """Why ``folder`` is not a previous write of a weights folder (``config.json`` naming one of ``architectures`` +
+    safetensors files, nothing else), or None: the one rule :func:`atomic_dir` callers use to decide what
+    ``overwrite`` may delete (a run folder with checkpoints, or a user's files, never qualifies)."""
+    entries = sorted(p.name for p in folder.iterdir())
+    if not entries:
+        return None
+    others = [
+        name
+        for name in entries
+        if name != "config.json" and not name.endswith((".safetensors", ".safetensors.index.json"))
+    ]
+    if others or any((folder / name).is_dir() for name in entries):
+        shown = others or [name for name in entries if (folder / name).is_dir()]
+        return f"it holds other files ({', '.join(shown[:5])}{', …' if len(shown) > 5 else ''})"
+    try:
+        found = json.loads((folder / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return "it has no readable config.json of a previous write"
+    if not isinstance(found, list) or not set(found) & architectures:
+        return f"its config.json names architectures {found!r}, not one of {sorted(architectures)}"
+    return None
+
+
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(
+    path: str | os.PathLike, overwrite: bool = False, replaceable: Callable[[Path], str | None] | None = None
+) -> Iterator[Path]:
     """Yield an empty temporary folder to fill; on success it becomes ``path``.
 
     With ``overwrite`` an existing folder is moved aside first and deleted after the swap, so a crash leaves either
-    the old folder or the new one under ``path`` (never neither, never a mix).
+    the old folder or the new one under ``path`` (never neither, never a mix). Only what the writer owns is ever
+    replaced: ``replaceable(folder)`` returns why the existing folder is not a previous write of the same kind (e.g.
+    :func:`weights_folder_problem`), and then nothing is touched; without ``replaceable`` nothing is replaced.
     """
     final = Path(path)
     if final.exists() and not overwrite:
-        raise FileExistsError(f"{final} exists; pass overwrite=True to replace it")
+        raise FileExistsError(f"{final} exists; pass --overwrite (overwrite=True) to replace a previous write there")
+    if final.exists():
+        if not final.is_dir():
+            problem = "it is a file, not a folder"
+        else:
+            problem = "this writer declares nothing it may replace" if replaceable is None else replaceable(final)
+        if problem:
+            raise FileExistsError(
+                f"refusing to replace {final}: {problem}. --overwrite (overwrite=True) only replaces a previous write "
+                "of the same kind; choose another folder"
+            )
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_partials(final.parent, final.name)
     tmp = _partial_name(final)

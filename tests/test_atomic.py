@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import stat
 
 import pytest
 
-from lightning_eagle.atomic import atomic_dir, atomic_file
+from lightning_eagle.atomic import atomic_dir, atomic_file, weights_folder_problem
 
 
 def _mode(path) -> int:
@@ -29,7 +31,7 @@ def test_atomic_dir_follows_the_umask_not_tempfile_privacy(tmp_path):
 def test_a_failed_write_leaves_the_old_folder_and_no_partial(tmp_path):
     with atomic_dir(tmp_path / "out") as tmp:
         (tmp / "a").write_text("old")
-    with pytest.raises(RuntimeError), atomic_dir(tmp_path / "out", overwrite=True) as tmp:
+    with pytest.raises(RuntimeError), atomic_dir(tmp_path / "out", overwrite=True, replaceable=lambda f: None) as tmp:
         (tmp / "a").write_text("new, half written")
         raise RuntimeError("killed")
     assert (tmp_path / "out" / "a").read_text() == "old"
@@ -53,6 +55,50 @@ def test_atomic_file_replaces_and_cleans_a_crashed_writers_leftover(tmp_path):
 def test_existing_folder_without_overwrite_is_refused_untouched(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep").write_text("x")
-    with pytest.raises(FileExistsError, match="out exists; pass overwrite=True"), atomic_dir(tmp_path / "out"):
+    with (
+        pytest.raises(FileExistsError, match=r"out exists; pass --overwrite \(overwrite=True\)"),
+        atomic_dir(tmp_path / "out"),
+    ):
         pass
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep"]
+
+
+def _weights_folder(folder, architectures=("Eagle3KimiK3ForCausalLM",), extra=()):
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": list(architectures)}))
+    (folder / "model.safetensors").write_bytes(b"x")
+    for name in extra:
+        (folder / name).write_text("mine")
+    return folder
+
+
+@pytest.mark.parametrize(
+    "architectures, extra, problem",
+    [
+        (("Eagle3KimiK3ForCausalLM",), (), None),  # a previous export: replaced
+        (("Eagle3KimiK3ForCausalLM",), ("notes.txt",), "it holds other files (notes.txt)"),
+        (("LlamaForCausalLM",), (), "its config.json names architectures ['LlamaForCausalLM']"),
+    ],
+)
+def test_overwrite_replaces_only_a_previous_write_of_the_same_kind(tmp_path, architectures, extra, problem):
+    """The one rule destructive writes share (issue 23: --overwrite deleted a run folder and a user's files)."""
+    folder = _weights_folder(tmp_path / "out", architectures, extra)
+    before = sorted(p.name for p in folder.iterdir())
+    rule = lambda f: weights_folder_problem(f, frozenset({"Eagle3KimiK3ForCausalLM"}))  # noqa: E731
+    if problem is None:
+        with atomic_dir(folder, overwrite=True, replaceable=rule) as tmp:
+            (tmp / "config.json").write_text("{}")
+        assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
+        return
+    with pytest.raises(FileExistsError, match=re.escape(f"refusing to replace {folder}: {problem}")):
+        with atomic_dir(folder, overwrite=True, replaceable=rule):
+            pass
+    assert sorted(p.name for p in folder.iterdir()) == before  # nothing touched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no partial left
+
+
+def test_a_writer_that_declares_nothing_replaces_nothing(tmp_path):
+    folder = _weights_folder(tmp_path / "out")
+    with pytest.raises(FileExistsError, match="this writer declares nothing it may replace"):
+        with atomic_dir(folder, overwrite=True):
+            pass

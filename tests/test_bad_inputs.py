@@ -375,7 +375,8 @@ DRAFT_CASES = [
     pytest.param(lambda d: (d / "config.json").write_text("{"), _load_pretrained, ValueError,
                  ["$dir/config.json: invalid JSON"], id="config-invalid-json"),
     pytest.param(lambda d: None, _export_into_existing, FileExistsError,
-                 ["$dir exists; pass overwrite=True to replace it"], id="export-into-existing-folder"),
+                 ["$dir exists; pass --overwrite (overwrite=True) to replace a previous write there"],
+                 id="export-into-existing-folder"),
     pytest.param(_truncated_checkpoint, _export_from_truncated_checkpoint, CheckpointLoadError,
                  ["checkpoint '$dir/last.ckpt' (", "bytes) cannot be read: it is truncated or corrupt"],
                  id="export-from-truncated-checkpoint"),
@@ -434,8 +435,19 @@ CLI_CASES = [
     pytest.param(["export", "$tmp/nope.ckpt", "$tmp/out"], 1,
                  ["export source '$tmp/nope.ckpt' is neither a draft module nor an existing checkpoint"],
                  id="export-missing-ckpt"),
-    pytest.param(["export", "$ckpt", "$existing"], 1, ["$existing exists; pass overwrite=True to replace it"],
+    pytest.param(["export", "$ckpt", "$existing"], 1,
+                 ["$existing exists; pass --overwrite (overwrite=True) to replace a previous write there"],
                  id="export-into-existing-folder"),
+    # --overwrite replaces only a previous export: never a user's folder, never the run folder it exports from
+    pytest.param(["export", "$ckpt", "$existing", "--overwrite"], 1,
+                 ["refusing to replace $existing: it holds other files (keep.txt). --overwrite (overwrite=True) only "
+                  "replaces a previous write of the same kind; choose another folder"],
+                 id="export-overwrite-user-folder"),
+    pytest.param(["export", "$ckpt", "$inputs", "--overwrite"], 1,
+                 ["refusing to replace $inputs: it holds other files (bad.jsonl, bad.yaml, existing, last.ckpt, "
+                  "rows.jsonl"], id="export-overwrite-run-folder"),
+    pytest.param(["export", "$ckpt", "$ckpt", "--overwrite"], 1,
+                 ["refusing to replace $ckpt: it is a file, not a folder"], id="export-overwrite-a-file"),
 ]  # fmt: skip
 
 
@@ -456,7 +468,7 @@ def test_cli(tmp_path, chat_rows, trained_ckpt, monkeypatch, capsys, argv, statu
     (existing / "keep.txt").write_text("mine")
     root = tmp_path / "run"
     paths = dict(quickstart=QUICKSTART, root=root, rows=rows, bad_rows=bad_rows, bad_yaml=bad_yaml, ckpt=ckpt,
-                 truncated=truncated, existing=existing, tmp=tmp_path)  # fmt: skip
+                 truncated=truncated, existing=existing, tmp=tmp_path, inputs=inputs)  # fmt: skip
     monkeypatch.chdir(tmp_path)  # anything written relative to the working folder would show in the snapshot
     before = snapshot(tmp_path)
     with pytest.raises(SystemExit) as exit_info:

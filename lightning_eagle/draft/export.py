@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from lightning_eagle.atomic import atomic_dir
+from lightning_eagle.atomic import atomic_dir, weights_folder_problem
 from lightning_eagle.checkpoint_io import load_checkpoint_file
 from lightning_eagle.draft import serving_format as fmt
 from lightning_eagle.draft.config import Eagle3DraftConfig, warn_unportable_aux_layer_ids
@@ -84,8 +84,13 @@ def export_draft(
     return _atomic_write(Path(out_dir), tensors, config_json, overwrite)
 
 
+def previous_export_problem(folder: Path) -> str | None:
+    """Why ``folder`` is not a previous draft export that ``overwrite`` may replace (None: it is one, or empty)."""
+    return weights_folder_problem(folder, frozenset({fmt.ARCHITECTURE, fmt.ENGINE_ARCHITECTURE}))
+
+
 def _atomic_write(out_dir: Path, tensors: dict[str, torch.Tensor], config_json: dict, overwrite: bool) -> Path:
-    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+    with atomic_dir(out_dir, overwrite=overwrite, replaceable=previous_export_problem) as tmp:
         save_file(tensors, str(tmp / fmt.WEIGHTS_NAME), metadata={"format": "pt"})
         with open(tmp / fmt.CONFIG_NAME, "w") as f:
             json.dump(config_json, f, indent=2, sort_keys=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lightning_eagle.atomic import atomic_dir
+from lightning_eagle.atomic import atomic_dir, weights_folder_problem
 from lightning_eagle.k3.loader import TEXT_PREFIX
 from lightning_eagle.k3.mxfp4 import encode_mxfp4
 
@@ -73,6 +73,11 @@ def checkpoint_state_dict(model, mxfp4: bool = True, prefix: str = TEXT_PREFIX) 
     return out
 
 
+def previous_checkpoint_problem(folder: Path) -> str | None:
+    """Why ``folder`` is not a K3 checkpoint this writer wrote before (None: it is one, or empty)."""
+    return weights_folder_problem(folder, frozenset({"KimiK3ForConditionalGeneration", "KimiLinearForCausalLM"}))
+
+
 def save_k3_checkpoint(
     model,
     out_dir: str | Path,
@@ -103,7 +108,7 @@ def save_k3_checkpoint(
             "text_config": text,
             "vision_config": {},
         }
-    with atomic_dir(out_dir, overwrite=True) as tmp:
+    with atomic_dir(out_dir, overwrite=True, replaceable=previous_checkpoint_problem) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
         keys = sorted(state)
         if num_shards <= 1:
