@@ -30,6 +30,7 @@ from lightning_eagle.checkpoint_io import CheckpointLoadError, load_checkpoint_f
 from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.data.datamodule import ChatDataModule
 from lightning_eagle.dtypes import DTYPES
+from lightning_eagle.errors import RunError
 from lightning_eagle.training.module import Eagle3Module
 from lightning_eagle.training.progress import StepProgressBar
 from lightning_eagle.training.summary import fit_summary
@@ -38,7 +39,7 @@ DEBUG_ENV = "LIGHTNING_EAGLE_DEBUG"
 _CHAT_DATA = "lightning_eagle.data.datamodule.ChatDataModule"
 # Errors that mean "the input is wrong", not "the library is broken": shown as one line without a traceback.
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
-               PermissionError, MisconfigurationException)  # fmt: skip
+               PermissionError, MisconfigurationException, RunError)  # fmt: skip
 
 
 class Eagle3CLI(LightningCLI):

@@ -446,6 +446,9 @@ CLI_CASES = [
     pytest.param(["export", "$ckpt", "$inputs", "--overwrite"], 1,
                  ["refusing to replace $inputs: it holds other files (bad.jsonl, bad.yaml, existing, last.ckpt, "
                   "rows.jsonl"], id="export-overwrite-run-folder"),
+    pytest.param([*FIT, "--model.lr", "1e15", "--model.warmup_ratio", "0", "--trainer.max_steps", "4"], 1,
+                 ["error: ", " is not finite (", ") at global step ",
+                  "the run is stopped, nothing of this step is checkpointed or exported"], id="diverged-run"),
     pytest.param(["export", "$ckpt", "$ckpt", "--overwrite"], 1,
                  ["refusing to replace $ckpt: it is a file, not a folder"], id="export-overwrite-a-file"),
 ]  # fmt: skip
@@ -575,3 +578,29 @@ def test_unsupported_layout(tmp_path, tiny_target, monkeypatch, overrides, exc, 
         ExpertParallelStrategy(**overrides)
     assert_raised_by_library(info)
     assert snapshot(tiny_target) == before and not any(tmp_path.iterdir())
+
+
+# ---- runs that would produce garbage: stopped, nothing checkpointed or exported (issue 23) -------------------------
+def test_a_diverged_loss_stops_the_run_before_any_checkpoint_or_export(tiny_target, chat_rows, tmp_path):
+    """A learning rate that blows the draft up: the first non-finite loss stops the run with the step named; no
+    checkpoint or export of it exists (before: NaN loss at every step, a "best" checkpoint and NaN weights, exit 0)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_eagle.errors import NonFiniteTrainingError
+    from lightning_eagle.training.export_callback import ExportDraftCallback
+
+    root = tmp_path / "run"
+    callbacks = [ModelCheckpoint(dirpath=root / "checkpoints", save_last=True, every_n_train_steps=1),
+                 ExportDraftCallback(out_dir=str(root / "draft"))]  # fmt: skip
+    module = Eagle3Module(**module_kwargs(tiny_target, ttt_steps=2, lr=1e15, warmup_ratio=0.0))
+    trainer = pl.Trainer(**trainer_kwargs(root, max_steps=4, limit_val_batches=0, callbacks=callbacks))
+    with expect(NonFiniteTrainingError, [" is not finite (", ") at global step ", "the run is stopped, nothing of "
+                                         "this step is checkpointed or exported"]):  # fmt: skip
+        trainer.fit(module, fit_data(chat_rows))
+    step = trainer.global_step
+    assert step >= 1  # the first step was finite and was taken
+    saved = sorted(p.name for p in (root / "checkpoints").iterdir()) if (root / "checkpoints").exists() else []
+    for name in saved:  # only checkpoints of finite steps
+        ckpt = torch.load(root / "checkpoints" / name, map_location="cpu", weights_only=False)
+        assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values() if v.is_floating_point()), name
+    assert not (root / "draft").exists()

@@ -28,6 +28,7 @@ from lightning_eagle.draft.config import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS
 from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY
 from lightning_eagle.draft.materialize import build_on_meta, materialize
 from lightning_eagle.dtypes import DTYPES
+from lightning_eagle.errors import NonFiniteTrainingError
 from lightning_eagle.features.teacher_head import TeacherHead
 from lightning_eagle.k3.config import text_config_from_dict
 from lightning_eagle.k3.loader import config_fingerprint, resolve_target_path
@@ -395,11 +396,28 @@ class Eagle3Module(pl.LightningModule):
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.shared_step(batch)
+        self._stop_unless_finite("the training loss", out.loss, batch_idx)
         self._log_step("train", out, batch["input_ids"].shape[0], on_step=True)
         batch_tau = out.tau_sim
         self.log("train/tau_sim_batch", batch_tau, prog_bar=True, on_step=True, on_epoch=False)
         self.train_metrics.update(out)
         return out.loss
+
+    def _stop_unless_finite(self, what: str, value: torch.Tensor, batch_idx: int) -> None:
+        """Stop the run when ``value`` is NaN/inf on any rank: a step on it makes the draft garbage, which the run
+        would otherwise checkpoint and export with exit 0. Checked on the loss (before backward), the gradient norm
+        (before the optimizer step) and the updated weights (before any callback can save them)."""
+        finite = bool(torch.isfinite(value.detach()).all())
+        if self._trainer is not None:  # every rank decides together, or the others hang in the next collective
+            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if not finite:
+            shown = value.detach().float().flatten()[:1].item() if value.numel() else value
+            raise NonFiniteTrainingError(
+                f"{what} is not finite ({shown}) at global step {self.global_step} (batch {batch_idx}, on this or "
+                "another rank): the run is stopped, nothing of this step is checkpointed or exported. Usual causes: "
+                "a learning rate that diverges, corrupted or mismatched features, NaN/inf in the inputs; resume from "
+                "the last good checkpoint once fixed"
+            )
 
     @override
     def on_train_epoch_end(self) -> None:
@@ -452,8 +470,19 @@ class Eagle3Module(pl.LightningModule):
         grads = [p.grad for p in self.draft.parameters() if p.grad is not None]
         if grads:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            self._stop_unless_finite("the draft's gradient norm", norm, self.trainer.fit_loop.batch_idx)
             self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
         self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
+
+    @override
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        # a finite gradient times a huge learning rate can still overflow the weights; stop before a checkpoint
+        local = [
+            getattr(p, "to_local", lambda p=p: p)().detach() for p in self.trainable_parameters()
+        ]  # DTensor shards
+        total = torch.stack([t.float().abs().sum() for t in local]).sum()
+        self._stop_unless_finite("the sum of |updated draft weights|", total, batch_idx)
 
     # ---- optimisation ---------------------------------------------------------------------------------------------
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
