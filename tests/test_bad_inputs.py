@@ -446,6 +446,15 @@ CLI_CASES = [
     pytest.param(["export", "$ckpt", "$inputs", "--overwrite"], 1,
                  ["refusing to replace $inputs: it holds other files (bad.jsonl, bad.yaml, existing, last.ckpt, "
                   "rows.jsonl"], id="export-overwrite-run-folder"),
+    # every numeric setting is checked under the name the user typed, before anything is built
+    pytest.param([*FIT, "--model.lr", "-1"], 1, ["error: model.lr must be > 0, got -1.0"], id="negative-lr"),
+    pytest.param([*FIT, "--model.min_lr_ratio", "-0.5"], 1, ["error: model.min_lr_ratio must be in [0, 1], got -0.5"],
+                 id="negative-min-lr-ratio"),
+    pytest.param([*FIT, "--model.warmup_ratio", "1.5", "--model.step_decay", "0"], 1,
+                 ["error: model.step_decay must be > 0, got 0.0; model.warmup_ratio must be in [0, 1), got 1.5"],
+                 id="two-bad-settings"),
+    pytest.param([*FIT, "--model.ttt_steps", "0"], 1, ["error: model.ttt_steps must be an integer > 0, got 0"],
+                 id="zero-ttt-steps"),
     pytest.param([*FIT, "--model.lr", "1e15", "--model.warmup_ratio", "0", "--trainer.max_steps", "4"], 1,
                  ["error: ", " is not finite (", ") at global step ",
                   "the run is stopped, nothing of this step is checkpointed or exported"], id="diverged-run"),
@@ -604,3 +613,8 @@ def test_a_diverged_loss_stops_the_run_before_any_checkpoint_or_export(tiny_targ
         ckpt = torch.load(root / "checkpoints" / name, map_location="cpu", weights_only=False)
         assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values() if v.is_floating_point()), name
     assert not (root / "draft").exists()
+
+
+def test_a_useless_ttt_steps_value_warns(tiny_target):
+    with pytest.warns(UserWarning, match="model.ttt_steps=100: engines draft 3-8 tokens"):
+        Eagle3Module(**module_kwargs(tiny_target, ttt_steps=100))

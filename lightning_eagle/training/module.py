@@ -37,6 +37,7 @@ from lightning_eagle.parallel.dense_shard import gathered_weight, shard_draft
 from lightning_eagle.parallel.layout import TargetParallelism, target_parallelism
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
 from lightning_eagle.parallel.validate import validate_target_config
+from lightning_eagle.settings import check_settings
 from lightning_eagle.training.loss import soft_cross_entropy
 from lightning_eagle.training.loss import step_weights as default_step_weights
 from lightning_eagle.training.metrics import TTTMetrics
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 TARGET_FINGERPRINT_KEY = "eagle_target_fingerprint"
+MAX_USEFUL_TTT_STEPS = 16  # past this, warn: engines draft 3-8 tokens, decay^k leaves later steps almost no weight
 RNG_STATES_KEY = "eagle_rng_states"
 DRAFT_SHARDED_KEY = "eagle_draft_sharded"
 # Draft-config fields that are module arguments: the module's value is the only one (no second spelling in `draft`).
@@ -176,6 +178,21 @@ class Eagle3Module(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         # Gates first: nothing below reads a weight.
+        check_settings("model", {
+            "ttt_steps": (ttt_steps, "positive", int), "step_decay": (step_decay, "positive", float),
+            "draft_init_seed": (draft_init_seed, "non_negative", int), "lr": (lr, "positive", float),
+            "weight_decay": (weight_decay, "non_negative", float),
+            "warmup_ratio": (warmup_ratio, "fraction_below_one", float),
+            "min_lr_ratio": (min_lr_ratio, "fraction", float),
+            "teacher_vocab_chunk": (teacher_vocab_chunk, "positive", int),
+            "teacher_seq_chunk": (teacher_seq_chunk, "positive", int),
+        })  # fmt: skip
+        if ttt_steps > MAX_USEFUL_TTT_STEPS:
+            warnings.warn(
+                f"model.ttt_steps={ttt_steps}: engines draft 3-8 tokens and the step weights decay^k make steps past "
+                f"~{MAX_USEFUL_TTT_STEPS} cost compute and memory for almost no signal",
+                stacklevel=2,
+            )
         _refuse_second_spelling(draft)
         self.target_path = resolve_target_path(target)
         self.aux_layer_ids = aux_layer_ids
