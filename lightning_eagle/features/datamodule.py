@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -81,6 +81,8 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
     Args:
         features_dir: folder written by ``cli.py dump`` (must hold ``manifest.json``: a finished dump).
         batch_size: rows per batch. seed / shuffle: training order. loader_workers: ``DataLoader`` workers.
+        verify: every shard is checked against the manifest when the data module is built: ``"checksum"`` (sha256,
+            reads the whole dump once) or ``"size"`` (against its header only, for dumps too large to hash).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
         seed: int | None = None,
         shuffle: bool = True,
         loader_workers: int = 0,
+        verify: Literal["checksum", "size"] = "checksum",
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -106,9 +109,18 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
         if manifest.get("format") != fmt.FORMAT:
             raise ValueError(f"{manifest_path}: format {manifest.get('format')!r}, expected {fmt.FORMAT!r}")
         self.manifest = {**manifest, "folder": str(self.folder)}
+        if verify not in ("checksum", "size"):
+            raise ValueError(f"data.verify must be 'checksum' or 'size', got {verify!r}")
         for shard in manifest["shards"]:
             if not (self.folder / shard["shard"]).is_file():
                 raise FileNotFoundError(f"{self.folder}: {shard['shard']} listed in the manifest is missing")
+            # a damaged shard trains on garbage (NaN losses, exit 0): refused here, by name, before any step
+            problem = fmt.shard_problem(self.folder / shard["shard"], shard, checksum=verify == "checksum")
+            if problem:
+                raise ValueError(
+                    f"{self.folder / shard['shard']}: {problem}; re-run the dump (or restore the file); "
+                    "data.verify: size skips the checksum of large dumps"
+                )
         self.batch_size, self.shuffle, self.loader_workers = batch_size, shuffle, loader_workers
         self.seed = manifest["data"]["seed"] if seed is None else seed
         self.vocab_mapping = VocabMapping.load(

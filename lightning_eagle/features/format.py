@@ -120,3 +120,23 @@ def complete_shard(folder: Path, index: int, expected_rows: int, verify: bool = 
     if info.get("rows") != expected_rows or (verify and sha256_file(path) != info.get("sha256")):
         return None
     return info
+
+
+def shard_problem(path: Path, info: dict[str, Any], checksum: bool) -> str | None:
+    """Why the shard at ``path`` is not the one the manifest recorded (``info``), or None. Always: the file is at least
+    as long as its safetensors header says (a truncated copy fails here, cheaply); with ``checksum``: its sha256."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len)) if 0 < header_len <= size - 8 else None
+    except (OSError, ValueError):
+        header = None
+    if not isinstance(header, dict):
+        return f"{size} bytes with no readable safetensors header (truncated or not a shard)"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if size < 8 + header_len + end:
+        return f"{size} bytes, its header describes {8 + header_len + end}: truncated"
+    if checksum and sha256_file(path) != info.get("sha256"):
+        return f"sha256 differs from the manifest's ({str(info.get('sha256'))[:12]}…): the bytes are damaged"
+    return None

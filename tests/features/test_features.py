@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -235,3 +236,26 @@ def test_held_out_prompts_are_the_online_runs(fp32_dump):
     chats.setup("fit")
     online = prompts_from_datamodule(chats, 5)
     assert online and HiddenStateDataModule(str(fp32_dump)).held_out_prompts(5) == online
+
+
+@pytest.mark.parametrize(
+    "damage, verify, fragment",
+    [
+        ("flip", "checksum", "sha256 differs from the manifest's"),  # bytes damaged in place: trained NaN, exit 0
+        ("truncate", "size", "truncated"),  # a cut copy: crashed inside safetensors without naming the shard
+        ("truncate", "checksum", "truncated"),
+    ],
+)
+def test_a_damaged_shard_is_refused_by_name_before_training(tmp_path, fp32_dump, damage, verify, fragment):
+    dump = Path(shutil.copytree(fp32_dump, tmp_path / "dump"))
+    shard = sorted(dump.glob("shard-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    if damage == "flip":
+        data[-100:-96] = b"\xff\xff\xff\x7f"  # a NaN-ish float in the last tensor's bytes
+    else:
+        data = data[: len(data) - 1000]
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"{re.escape(str(shard))}: .*{fragment}.*re-run the dump"):
+        HiddenStateDataModule(str(dump), verify=verify)
+    if damage == "flip":
+        HiddenStateDataModule(str(dump), verify="size")  # the cheap check cannot see a flipped byte: documented
