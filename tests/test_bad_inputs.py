@@ -444,9 +444,13 @@ CLI_CASES = [
                   "replaces a previous write of the same kind; choose another folder"],
                  id="export-overwrite-user-folder"),
     pytest.param(["export", "$ckpt", "$inputs", "--overwrite"], 1,
-                 ["refusing to replace $inputs: it holds other files (bad.jsonl, bad.yaml, existing, last.ckpt, "
-                  "rows.jsonl"], id="export-overwrite-run-folder"),
+                 ["refusing to replace $inputs: it holds other files (bad.jsonl, bad.yaml, existing, first_only.jsonl, "
+                  "last.ckpt"], id="export-overwrite-run-folder"),
     # every numeric setting is checked under the name the user typed, before anything is built
+    # supervised only where nothing can be predicted (the first token): dropped, and a run with no rows left stops
+    pytest.param([*FIT, "--data.train_files", "$first_only"], 1,
+                 ["error: no training rows left after filtering $first_only: 2 rows read", "2 dropped with nothing to "
+                  "predict (no supervised token after the first)"], id="supervised-only-before-the-shift"),
     pytest.param([*FIT, "--model.lr", "-1"], 1, ["error: model.lr must be > 0, got -1.0"], id="negative-lr"),
     pytest.param([*FIT, "--model.min_lr_ratio", "-0.5"], 1, ["error: model.min_lr_ratio must be in [0, 1], got -0.5"],
                  id="negative-min-lr-ratio"),
@@ -473,6 +477,8 @@ def test_cli(tmp_path, chat_rows, trained_ckpt, monkeypatch, capsys, argv, statu
     bad_rows.write_text(json.dumps(GOOD) + "\n" + json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n")
     bad_yaml = inputs / "bad.yaml"
     bad_yaml.write_text("model:\n  not_a_key: 1\n")
+    first_only = inputs / "first_only.jsonl"
+    first_only.write_text((json.dumps({"input_ids": [256, 5, 6, 7], "loss_mask": [1, 0, 0, 0]}) + "\n") * 2)
     truncated = inputs / "truncated.ckpt"
     truncated.write_bytes(ckpt.read_bytes()[:2000])
     existing = inputs / "existing"
@@ -480,7 +486,8 @@ def test_cli(tmp_path, chat_rows, trained_ckpt, monkeypatch, capsys, argv, statu
     (existing / "keep.txt").write_text("mine")
     root = tmp_path / "run"
     paths = dict(quickstart=QUICKSTART, root=root, rows=rows, bad_rows=bad_rows, bad_yaml=bad_yaml, ckpt=ckpt,
-                 truncated=truncated, existing=existing, tmp=tmp_path, inputs=inputs)  # fmt: skip
+                 truncated=truncated, existing=existing, tmp=tmp_path, inputs=inputs,
+                 first_only=first_only)  # fmt: skip
     monkeypatch.chdir(tmp_path)  # anything written relative to the working folder would show in the snapshot
     before = snapshot(tmp_path)
     with pytest.raises(SystemExit) as exit_info:

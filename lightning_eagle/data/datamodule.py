@@ -249,7 +249,8 @@ class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
         self._train_data = train
         train_idx, val_idx = self._split(len(train))
         if len(train_idx) == 0:
-            raise RuntimeError(f"no training rows left after filtering:\n{train.summary.describe()}")
+            files = ", ".join(str(f) for f in train.summary.files) or str(self.train_files)
+            raise ValueError(f"no training rows left after filtering {files}: {train.summary.describe()}")
         self.train_dataset = _Subset(train, train_idx)
         if self.val_files:
             val = self._load(self.val_files)

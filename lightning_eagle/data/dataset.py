@@ -45,7 +45,7 @@ from lightning_eagle.data.tokenizer import KimiTokenizer
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = "lightning_eagle.chat_cache/2"
+CACHE_FORMAT = "lightning_eagle.chat_cache/3"  # 3: supervision counted after the one-token shift
 CHUNK_FORMAT = "lightning_eagle.chat_cache_chunk/2"
 MAX_BAD_ROW_EXAMPLES = 20
 # Below this many rows, spawning worker processes costs more than it saves.
@@ -86,8 +86,9 @@ class DataSummary:
         read_as = f" ({', '.join(f'{n} {f}' for f, n in counts.items())})" if counts else ""
         text = (
             f"{self.rows_read} rows read from {len(self.files)} file(s){read_as}: {self.rows_kept} kept, "
-            f"{self.rows_bad_skipped} malformed and skipped, {self.rows_without_supervision} dropped without any "
-            f"supervised token, {self.rows_truncated} truncated to max_length; {self.tokens} tokens, "
+            f"{self.rows_bad_skipped} malformed and skipped, {self.rows_without_supervision} dropped with nothing to "
+            f"predict (no supervised token after the first), {self.rows_truncated} truncated to max_length; "
+            f"{self.tokens} tokens, "
             f"{self.supervised_tokens} supervised"
         )
         if self.bad_row_examples:
@@ -364,7 +365,9 @@ class _Part:
 
     def add(self, file: str, line: int, ids: array, mask: bytes, truncated: bool) -> None:
         self.summary.rows_truncated += int(truncated)
-        supervised = mask.count(1)
+        # counted after the one-token shift: a supervised first token has no context to be predicted from, so a row
+        # supervised only there trains nothing (before: loss 0, tau 1.0, an untrained draft exported, exit 0)
+        supervised = mask[1:].count(1)
         if supervised == 0:
             self.summary.rows_without_supervision += 1
             return

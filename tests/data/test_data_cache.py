@@ -69,7 +69,9 @@ def test_truncation_and_unsupervised_rows_are_counted(jsonl_writer, k3_tok):
     # Cutting away every assistant token drops the row (mask all zero) and counts it.
     cut = build([path], k3_tok, max_length=user_part + 3)
     assert len(cut) == 0 and cut.summary.rows_without_supervision == 3 and cut.summary.rows_truncated == 2
-    assert "3 dropped without any supervised token, 2 truncated" in cut.summary.describe()
+    assert (
+        "3 dropped with nothing to predict (no supervised token after the first), 2 truncated" in cut.summary.describe()
+    )
 
 
 def test_pretokenized_rows_use_stored_mask_or_recovery(jsonl_writer, k3_tok):
