@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import sys
 import warnings
 from pathlib import Path
@@ -61,17 +60,18 @@ class Eagle3CLI(LightningCLI):
             parser._subcommands_action.add_subcommand(name, stub, help=text)
 
     def _parse_ckpt_path(self) -> None:
-        # LightningCLI torch.loads --ckpt_path itself (for its hyperparameters) before any checkpoint IO of ours:
-        # a truncated file would end in a torch traceback. Diagnose it with our reader instead. A missing file is
-        # refused here too, before the run writes its config and logs.
+        # LightningCLI merges the checkpoint's hyperparameters over the parsed config here, which silently drops
+        # explicit command-line values (--model.ttt_steps 3) and lets a checkpoint switch the run's draft
+        # architecture. Ours: the run's config is what runs; the module refuses a checkpoint whose draft differs
+        # (Eagle3Module.on_load_checkpoint). The file is still read now, so a missing or truncated one is refused by
+        # name before the run writes its config and logs.
         ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
-        if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry") and not Path(ckpt_path).exists():
+        if not ckpt_path or ckpt_path in ("last", "best", "hpc", "registry"):
+            return
+        if not Path(ckpt_path).exists():
             raise CheckpointLoadError(f"checkpoint {str(ckpt_path)!r} does not exist")
-        try:
-            super()._parse_ckpt_path()
-        except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        if Path(ckpt_path).is_file():
             load_checkpoint_file(ckpt_path, weights_only=True)  # raises CheckpointLoadError naming the file
-            raise exc
 
     def instantiate_trainer(self, **kwargs):
         """The step-counting progress bar unless the config disables the bar or brings its own."""

@@ -521,9 +521,9 @@ def _on_load_checkpoint(target, rows, ckpt, root):
     module.on_load_checkpoint(torch.load(ckpt, map_location="cpu", weights_only=False))
 
 
-def _resume(data_overrides=None):
+def _resume(data_overrides=None, **module_overrides):
     def run(target, rows, ckpt, root):
-        module = Eagle3Module(**module_kwargs(target, ttt_steps=2))
+        module = Eagle3Module(**module_kwargs(target, **{"ttt_steps": 2, **module_overrides}))
         trainer = pl.Trainer(**trainer_kwargs(root, max_steps=2, limit_val_batches=0))
         trainer.fit(module, fit_data(rows, **(data_overrides or {})), ckpt_path=ckpt)
 
@@ -531,6 +531,14 @@ def _resume(data_overrides=None):
 
 
 FOREIGN_CASES = [
+    # a resume continues the checkpoint's draft: another architecture is refused with both values (before: loading
+    # is not strict, so it "restored all states" and switched the run's layer, and its export)
+    pytest.param("same", _resume(draft={"architecture": "deepseek_mla", "intermediate_size": 64}), ValueError,
+                 ["the checkpoint's draft differs from this run's (architecture: checkpoint 'k3', this run "
+                  "'deepseek_mla'", "a resume cannot change the draft architecture"], id="other-draft-architecture"),
+    pytest.param("same", _resume(aux_layer_ids=[0, 2, 4]), ValueError,
+                 ["the checkpoint's draft differs from this run's (aux_layer_ids: checkpoint [1, 3, 5], this run "
+                  "[0, 2, 4])"], id="other-aux-taps"),
     pytest.param("same", _resume({"draft_vocab_size": 300}), ValueError,
                  ["the checkpoint's draft vocabulary map (d2t) differs from the data module's"],
                  id="other-vocab-map"),
@@ -625,3 +633,15 @@ def test_a_diverged_loss_stops_the_run_before_any_checkpoint_or_export(tiny_targ
 def test_a_useless_ttt_steps_value_warns(tiny_target):
     with pytest.warns(UserWarning, match="model.ttt_steps=100: engines draft 3-8 tokens"):
         Eagle3Module(**module_kwargs(tiny_target, ttt_steps=100))
+
+
+def test_a_resume_honours_the_command_line_over_the_checkpoints_settings(tmp_path, chat_rows):
+    """LightningCLI merged the checkpoint's hyperparameters over explicit command-line values (--model.ttt_steps 3
+    was dropped); the run's config is what runs now (the draft itself must match: refused above)."""
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    main([*fill(FIT, quickstart=QUICKSTART, root=first, rows=chat_rows), "--model.ttt_steps", "2"])
+    (ckpt,) = sorted(first.rglob("last.ckpt"))
+    main([*fill(FIT, quickstart=QUICKSTART, root=resumed, rows=chat_rows), "--model.ttt_steps", "3",
+          "--trainer.max_steps", "2", "--ckpt_path", str(ckpt)])  # fmt: skip
+    saved = torch.load(sorted(resumed.rglob("last.ckpt"))[0], map_location="cpu", weights_only=False)
+    assert saved["hyper_parameters"]["ttt_steps"] == 3 and saved["global_step"] == 2

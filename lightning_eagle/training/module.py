@@ -573,6 +573,24 @@ class Eagle3Module(pl.LightningModule):
             _collect_rng_states(include_cuda=torch.cuda.is_available())
         )
 
+    def _refuse_another_draft(self, saved: dict[str, Any] | None) -> None:
+        """A resume continues the checkpoint's draft: any architecture field (layer type, sizes, aux taps and stream,
+        norms, …) that differs is refused with both values (loading is not strict, so a changed architecture would
+        otherwise restore what fits and silently switch the run's, and its export's, layer)."""
+        if saved is None:
+            return
+        ours = self.draft_config.to_dict()
+        training_only = {"ttt_steps", "step_decay", "draft_vocab_size"}  # settings of this run / set by the data
+        keys = sorted(saved, key=lambda k: (k != "architecture", k))  # the layer type first: it explains the rest
+        changed = {k: (saved[k], ours.get(k)) for k in keys if k not in training_only and saved[k] != ours.get(k)}
+        if changed:
+            listed = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in changed.items())
+            raise ValueError(
+                f"the checkpoint's draft differs from this run's ({listed}): a resume cannot change the draft "
+                "architecture; resume with the checkpoint's settings or start a new run (the checkpoint's export "
+                "needs no resume: cli.py export CKPT DIR)"
+            )
+
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if RNG_STATES_KEY in checkpoint and self._trainer is not None and self.trainer.state.fn == "fit":
@@ -583,6 +601,7 @@ class Eagle3Module(pl.LightningModule):
                 f"the checkpoint was trained against another target (config fingerprint {saved}, this target "
                 f"{self.target_fingerprint} at {self.target_path})"
             )
+        self._refuse_another_draft(checkpoint.get(CHECKPOINT_CONFIG_KEY))
         saved_sharded = checkpoint.get(DRAFT_SHARDED_KEY, False)
         if saved_sharded != bool(self.hparams.draft_shard):
             raise ValueError(
