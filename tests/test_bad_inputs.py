@@ -122,7 +122,14 @@ def _private_cache(tmp_path_factory, monkeypatch):
 
 
 # ---- chat files: ChatDataModule(train_files=...).setup() -------------------------------------------------------------
+DEEP = '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}"  # json.loads raises RecursionError on it
+
 CHAT_CASES = [
+    pytest.param(
+        "rows.jsonl", [GOOD, DEEP], DataRowError,
+        ["$file:2: <json>: nested deeper than Python's recursion limit (a pathological or corrupted row)", SKIP_HINT],
+        id="pathologically-nested-json",
+    ),
     pytest.param(
         "rows.jsonl", [GOOD, '{"messages": ['], DataRowError,
         ["$file:2: <json>: invalid JSON: Expecting value at column 15", SKIP_HINT],
@@ -645,3 +652,15 @@ def test_a_resume_honours_the_command_line_over_the_checkpoints_settings(tmp_pat
           "--trainer.max_steps", "2", "--ckpt_path", str(ckpt)])  # fmt: skip
     saved = torch.load(sorted(resumed.rglob("last.ckpt"))[0], map_location="cpu", weights_only=False)
     assert saved["hyper_parameters"]["ttt_steps"] == 3 and saved["global_step"] == 2
+
+
+def test_a_pathologically_nested_row_is_skipped_like_any_bad_row(tmp_path):
+    """Before: a RecursionError from inside the json module even with on_bad_row skip (fit, data-report, regenerate)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + DEEP + "\n" + json.dumps(GOOD) + "\n")
+    data = ChatDataModule(**data_kwargs(train_files=[str(path)], on_bad_row="skip", val_fraction=0.0,
+                                        cache_dir=str(tmp_path / "cache")))  # fmt: skip
+    data.setup("fit")
+    summary = data._train_data.summary
+    assert summary.rows_kept == 2 and summary.rows_bad_skipped == 1
+    assert "rows.jsonl:2: <json>: nested deeper than Python's recursion limit" in summary.bad_row_examples[0]

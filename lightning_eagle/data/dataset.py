@@ -36,7 +36,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from lightning_eagle.atomic import atomic_file
-from lightning_eagle.data.formats import Source, iter_items, prepare_row, resolve_sources, source_field
+from lightning_eagle.data.formats import TOO_DEEP, Source, iter_items, prepare_row, resolve_sources, source_field
 from lightning_eagle.data.loss_mask import LossMaskRecovery
 from lightning_eagle.data.render_k2 import build_k2_segments
 from lightning_eagle.data.render_k3 import ChatFormatError, build_k3_segments, encode_segments
@@ -203,6 +203,8 @@ class _Encoder:
         except ChatFormatError as exc:
             field_name, _, problem = str(exc).partition(": ")
             return ("bad", source_field(field_name, row.fields), problem or str(exc))
+        except RecursionError:
+            return ("bad", "<json>", TOO_DEEP)
         max_length = self.options.max_length
         truncated = len(ids) > max_length
         ids = ids[:max_length]

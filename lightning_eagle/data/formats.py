@@ -523,9 +523,16 @@ def source_field(field: str, fields: Sequence[str] | None) -> str:
     return fields[int(match.group(1))] + field[match.end() :]
 
 
+TOO_DEEP = "nested deeper than Python's recursion limit (a pathological or corrupted row)"
+
+
 def prepare_row(item: RawLine | RawRow, fmt: str) -> RawRow:
-    """Parse (a JSONL line) and normalize one stored row; raises :class:`RowProblem`."""
-    return normalize_row(parse_line(item) if isinstance(item, RawLine) else item, fmt)
+    """Parse (a JSONL line) and normalize one stored row; raises :class:`RowProblem` (also for a row nested too
+    deeply to parse, so ``on_bad_row: skip`` skips it like any malformed row)."""
+    try:
+        return normalize_row(parse_line(item) if isinstance(item, RawLine) else item, fmt)
+    except RecursionError:
+        raise RowProblem("<json>", TOO_DEEP) from None
 
 
 def iter_source_rows(source: Source) -> Iterator[RawRow | DataRowError]:

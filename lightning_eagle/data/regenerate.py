@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lightning_eagle.atomic import atomic_file
+from lightning_eagle.data.formats import TOO_DEEP
 from lightning_eagle.data.render_k3 import (
     CLOSE,
     END_OF_MSG,
@@ -190,6 +191,8 @@ def read_input_rows(
             except ChatFormatError as exc:
                 field_name, _, problem = str(exc).partition(": ")
                 error = DataRowError(raw.file, raw.line, field_name, problem or str(exc))
+            except RecursionError:
+                error = DataRowError(raw.file, raw.line, "<json>", TOO_DEEP)
         if error is not None:
             if on_bad_row == "raise":
                 raise DataRowError(error.file, error.line, error.field, error.problem, "--on-bad-row skip skips it")
