@@ -452,9 +452,10 @@ def load_local_engine(
 
 
 class _Retryable(Exception):
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, message: str, retry_after: float | None = None, refused: bool = False) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.refused = refused  # nothing listening: worth retrying only once the server was reached
 
 
 class EndpointEngine:
@@ -497,6 +498,7 @@ class EndpointEngine:
         self.capacity = max_concurrency
         self.retries = 0  # retried attempts, for the summary
         self._lock = threading.Lock()
+        self._reached = False  # a refused connection before any answer fails at once (a wrong URL, no server)
         self.model = model or self._first_model()
         self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="regenerate")
         self._futures: dict[cf.Future, TurnJob] = {}
@@ -525,7 +527,10 @@ class EndpointEngine:
                 raise _Retryable(f"HTTP {exc.code}: {detail}", _retry_after(exc.headers.get("Retry-After"))) from None
             raise RegenerateError(f"{method} {self.base_url}{path}: HTTP {exc.code}: {detail}") from None
         except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as exc:
-            raise _Retryable(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}") from None
+            refused = isinstance(exc, ConnectionRefusedError) or isinstance(getattr(exc, "reason", None),
+                                                                            ConnectionRefusedError)  # fmt: skip
+            raise _Retryable(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}", refused=refused) from None
+        self._reached = True
         try:
             return json.loads(payload)
         except json.JSONDecodeError:
@@ -536,6 +541,11 @@ class EndpointEngine:
             try:
                 return self._request(method, path, body)
             except _Retryable as exc:
+                if exc.refused and not self._reached:
+                    raise RegenerateError(
+                        f"{method} {self.base_url}{path}: connection refused: nothing is listening there; is the "
+                        "server running, and is --base-url right (e.g. http://localhost:8000/v1)?"
+                    ) from None
                 if attempt == self.max_retries:
                     raise RegenerateError(
                         f"{method} {self.base_url}{path} failed after {attempt + 1} attempt(s): {exc}"
@@ -545,7 +555,10 @@ class EndpointEngine:
                 wait = exc.retry_after
                 if wait is None:
                     wait = min(self.max_backoff, self.retry_backoff * 2**attempt) * random.uniform(0.75, 1.25)
-                time.sleep(min(wait, self.max_backoff))
+                wait = min(wait, self.max_backoff)
+                print(f"regenerate: {method} {path}: {exc}; retry {attempt + 1}/{self.max_retries} in {wait:.1f} s",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                time.sleep(wait)
         raise AssertionError("unreachable")
 
     def _first_model(self) -> str:

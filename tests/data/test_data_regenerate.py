@@ -434,10 +434,10 @@ def test_regenerate_endpoint_failures(fresh_server, chats_file, tmp_path):
     summary = regenerate(chats_file, out, _endpoint(fresh_server), on_failed_row="drop")
     assert summary.complete and summary.rows_failed == 1
     assert len(_read(out)) == len(_chats()) - 1
-    # Retries exhausted on a server that is gone: a clear error, not a hang.
+    # A server that is not there: a clear error at the first request, not a hang (never reached: no retries).
     fresh_server.faults = {}
     dead = EndpointEngine("http://127.0.0.1:9/v1", SETTINGS, model="m", max_retries=1, retry_backoff=0.01, timeout=5)
-    with pytest.raises(RegenerateError, match="after 2 attempt"):
+    with pytest.raises(RegenerateError, match="connection refused: nothing is listening there"):
         regenerate(chats_file, tmp_path / "dead.jsonl", dead)
 
 
@@ -475,3 +475,17 @@ def test_regenerate_cli_kill9_resume(fresh_server, chats_file, local_greedy, tmp
                         val_fraction=0.0, use_cache=False, max_length=1024)  # fmt: skip
     dm.setup("fit")
     assert len(dm.train_dataset) == len(_chats()) - 1  # the row without an assistant turn has nothing supervised
+
+
+def test_nothing_listening_fails_at_once_with_the_reason(capsys):
+    """Before: a refused connection was retried with full backoff for 72 s, printing nothing."""
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(RegenerateError, match=r"GET http://127.0.0.1:\d+/v1/models: connection refused: nothing is "
+                                              r"listening there; is the server running"):  # fmt: skip
+        EndpointEngine(f"http://127.0.0.1:{port}/v1", SETTINGS)
+    assert time.monotonic() - start < 5
