@@ -664,3 +664,14 @@ def test_a_pathologically_nested_row_is_skipped_like_any_bad_row(tmp_path):
     summary = data._train_data.summary
     assert summary.rows_kept == 2 and summary.rows_bad_skipped == 1
     assert "rows.jsonl:2: <json>: nested deeper than Python's recursion limit" in summary.bad_row_examples[0]
+
+
+@pytest.mark.parametrize("how", ["same-path", "same-bytes"])
+def test_validation_files_that_are_training_files_are_refused(tmp_path, chat_rows, how):
+    val = chat_rows if how == "same-path" else Path(shutil.copy(chat_rows, tmp_path / "held_out.jsonl"))
+    data = ChatDataModule(**data_kwargs(train_files=[str(chat_rows)], val_files=[str(val)],
+                                        cache_dir=str(tmp_path / "cache")))  # fmt: skip
+    with expect(ValueError, [f"data.val_files ['{val}'] are also training files", "val/tau would be measured on "
+                             "training rows"]):  # fmt: skip
+        data.setup("fit")
+    assert not (tmp_path / "cache").exists()
