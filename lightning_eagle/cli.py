@@ -202,8 +202,18 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-        print(f"error: {message}\n(full traceback: add --debug or set {DEBUG_ENV}=1)", file=sys.stderr)
+        print(f"error: {_real_reason(message)}\n(full traceback: add --debug or set {DEBUG_ENV}=1)", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def _real_reason(message: str) -> str:
+    """jsonargparse reports a constructor's own error inside "Does not validate against any of the Union subtypes"
+    (one bullet per candidate type): the data module's reason first, the rest after it."""
+    if not message.startswith("Does not validate against any of the Union subtypes"):
+        return message
+    bullets = [line[4:] for line in message.splitlines() if line.startswith("  - ")]
+    reasons = [b for b in bullets if not b.startswith("Expected a <class 'NoneType'>")]
+    return f"{reasons[0]}\n({message})" if reasons else message
 
 
 if __name__ == "__main__":

@@ -458,6 +458,11 @@ CLI_CASES = [
     pytest.param([*FIT, "--data.train_files", "$first_only"], 1,
                  ["error: no training rows left after filtering $first_only: 2 rows read", "2 dropped with nothing to "
                   "predict (no supervised token after the first)"], id="supervised-only-before-the-shift"),
+    # a data-module constructor's reason comes first (before: buried under jsonargparse's "Union subtypes" text)
+    pytest.param([*FIT, "--data.batch_size", "0"], 1, ["error: data.batch_size must be an integer > 0, got 0\n"],
+                 id="zero-batch-size"),
+    pytest.param([*FIT, "--data.val_fraction", "1.5"], 1, ["error: data.val_fraction must be in [0, 1), got 1.5\n"],
+                 id="val-fraction-above-one"),
     pytest.param([*FIT, "--model.lr", "-1"], 1, ["error: model.lr must be > 0, got -1.0"], id="negative-lr"),
     pytest.param([*FIT, "--model.min_lr_ratio", "-0.5"], 1, ["error: model.min_lr_ratio must be in [0, 1], got -0.5"],
                  id="negative-min-lr-ratio"),

@@ -28,6 +28,7 @@ from lightning_eagle.data.sampler import ResumableDataLoader, ResumableTrainLoad
 from lightning_eagle.data.synthetic_corpus import bundled_sample_path
 from lightning_eagle.data.tokenizer import KimiTokenizer, resolve_tokenizer
 from lightning_eagle.data.vocab_map import VocabMapping, build_vocab_mapping, vocab_map_fingerprint
+from lightning_eagle.settings import check_settings
 
 log = logging.getLogger(__name__)
 
@@ -129,12 +130,14 @@ class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
         shuffle: bool = True,
     ) -> None:
         super().__init__()
+        check_settings("data", {
+            "batch_size": (batch_size, "positive", int), "val_fraction": (val_fraction, "fraction_below_one", float),
+            "seed": (seed, "non_negative", int), "loader_workers": (loader_workers, "non_negative", int),
+            **({} if tokenize_workers is None else {"tokenize_workers": (tokenize_workers, "positive", int)}),
+            **({} if draft_vocab_size is None else {"draft_vocab_size": (draft_vocab_size, "positive", int)}),
+        })  # fmt: skip
         if max_length < 2:
-            raise ValueError(f"max_length must be at least 2, got {max_length}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+            raise ValueError(f"data.max_length must be at least 2, got {max_length}")
         if on_bad_row not in ("raise", "skip"):
             raise ValueError(f"on_bad_row must be 'raise' or 'skip', got {on_bad_row!r}")
         if format not in FORMATS:

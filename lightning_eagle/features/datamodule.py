@@ -19,6 +19,7 @@ from lightning_eagle.data.dataset import collate_chat_rows
 from lightning_eagle.data.sampler import ResumableDataLoader, ResumableTrainLoader
 from lightning_eagle.data.vocab_map import VocabMapping
 from lightning_eagle.features import format as fmt
+from lightning_eagle.settings import check_settings
 
 
 class FeatureRows(torch.utils.data.Dataset):
@@ -95,8 +96,10 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
         verify: Literal["checksum", "size"] = "checksum",
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        check_settings("data", {
+            "batch_size": (batch_size, "positive", int), "loader_workers": (loader_workers, "non_negative", int),
+            **({} if seed is None else {"seed": (seed, "non_negative", int)}),
+        })  # fmt: skip
         self.folder = Path(features_dir).expanduser()
         manifest_path = self.folder / fmt.MANIFEST_NAME
         if not manifest_path.is_file():
