@@ -599,6 +599,13 @@ class EndpointEngine:
         reasoning = message.get("reasoning_content")
         if reasoning is None:
             reasoning = message.get("reasoning")
+        if self.settings.thinking and reasoning is None:
+            # not "thought nothing" (that is ""): the server split no reasoning out, so the thinking is lost or
+            # mixed into content; writing "" would be indistinguishable from an empty thought
+            raise RegenerateError(
+                "thinking is on but the server's answer has no reasoning_content: start it with its K3 reasoning "
+                "parser (vLLM: --reasoning-parser kimi_k3) or regenerate with --no-thinking"
+            )
         calls = message.get("tool_calls") or None
         content = message.get("content")
         if isinstance(content, list):  # content parts

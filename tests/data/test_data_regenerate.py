@@ -31,6 +31,7 @@ from lightning_eagle.data.regenerate import (
     LocalEngine,
     RegenerateError,
     RegenerateSettings,
+    TurnJob,
     main,
     progress_path,
     regenerate,
@@ -489,3 +490,41 @@ def test_nothing_listening_fails_at_once_with_the_reason(capsys):
                                               r"listening there; is the server running"):  # fmt: skip
         EndpointEngine(f"http://127.0.0.1:{port}/v1", SETTINGS)
     assert time.monotonic() - start < 5
+
+
+def test_thinking_without_a_server_reasoning_parser_is_refused_not_written_empty():
+    """Before: a server with no reasoning parser gave no reasoning_content and the row got "" (an empty thought)."""
+    reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "<think>hm</think>Hi"},
+                          "finish_reason": "stop"}], "usage": {"completion_tokens": 3}}  # fmt: skip
+
+    class NoParser(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self._send({"data": [{"id": "m"}]})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._send(reply)
+
+        def _send(self, body):
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NoParser)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        thinking = RegenerateSettings(max_new_tokens=8, thinking=True, thinking_effort=None)
+        engine = EndpointEngine(f"http://127.0.0.1:{server.server_port}/v1", thinking)
+        job = TurnJob(row=0, turn=1, messages=[{"role": "user", "content": "Hi"}], tools=None, seed=None)
+        with pytest.raises(RegenerateError, match="thinking is on but the server's answer has no reasoning_content"):
+            engine._complete(job)
+        no_thinking = EndpointEngine(f"http://127.0.0.1:{server.server_port}/v1", SETTINGS)
+        assert no_thinking._complete(job).reasoning_content is None
+    finally:
+        server.shutdown()
