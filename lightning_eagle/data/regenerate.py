@@ -707,6 +707,9 @@ class ProgressFile:
             self.path.unlink()  # a header torn at the very start: nothing was done
             return False
         mine, theirs = self.header, header
+        if len(lines) == 1 and {k: theirs.get(k) for k in mine} != mine:
+            self.path.unlink()  # a header and no row (e.g. a run that failed on a wrong --model): nothing to keep
+            return False
         if {k: theirs.get(k) for k in mine} != mine:
             diff = sorted(k for k in mine if theirs.get(k) != mine[k])
             raise ValueError(
@@ -1057,6 +1060,10 @@ def main(argv: list[str]) -> None:
         log=None if args.quiet else log,
     )
     print(summary.describe())
+    if summary.rows_failed:  # asked for (--on-failed-row drop), but never only inside the summary
+        first = f"; first: {summary.errors[0]}" if summary.errors else ""
+        print(f"warning: {summary.rows_failed} row(s) failed and were left out of {args.output} (a later run "
+              f"retries them){first}", file=sys.stderr)  # fmt: skip
 
 
 if __name__ == "__main__":  # python -m lightning_eagle.data.regenerate …

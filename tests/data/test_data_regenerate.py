@@ -426,7 +426,7 @@ def test_regenerate_endpoint_resume(fresh_server, chats_file, local_greedy, tmp_
     assert _read(out) == local_greedy
 
 
-def test_regenerate_endpoint_failures(fresh_server, chats_file, tmp_path):
+def test_regenerate_endpoint_failures(fresh_server, chats_file, tmp_path, capsys):
     fresh_server.faults = {"What sound does a cat": 400}
     out = tmp_path / "out.jsonl"
     with pytest.raises(RegenerateError, match=r"chats\.jsonl:\d+: messages\[1\]: .*HTTP 400"):
@@ -435,6 +435,13 @@ def test_regenerate_endpoint_failures(fresh_server, chats_file, tmp_path):
     summary = regenerate(chats_file, out, _endpoint(fresh_server), on_failed_row="drop")
     assert summary.complete and summary.rows_failed == 1
     assert len(_read(out)) == len(_chats()) - 1
+    # the command line says so on stderr, not only inside its summary
+    cli_out = tmp_path / "cli.jsonl"
+    main([str(chats_file), str(cli_out), "--base-url", fresh_server.base_url, "--max-new-tokens", str(MAX_NEW),
+          "--no-thinking", "--thinking-effort", "none", "--on-failed-row", "drop", "--quiet"])  # fmt: skip
+    assert f"warning: 1 row(s) failed and were left out of {cli_out} (a later run retries them); first: " in (
+        capsys.readouterr().err
+    )
     # A server that is not there: a clear error at the first request, not a hang (never reached: no retries).
     fresh_server.faults = {}
     dead = EndpointEngine("http://127.0.0.1:9/v1", SETTINGS, model="m", max_retries=1, retry_backoff=0.01, timeout=5)
@@ -528,3 +535,17 @@ def test_thinking_without_a_server_reasoning_parser_is_refused_not_written_empty
         assert no_thinking._complete(job).reasoning_content is None
     finally:
         server.shutdown()
+
+
+def test_a_header_only_progress_file_does_not_block_the_corrected_rerun(tmp_path):
+    """Before: a run that failed before its first row (a wrong --model) left a header that refused the fixed rerun."""
+    from lightning_eagle.data.regenerate import PROGRESS_FORMAT, ProgressFile
+
+    path = tmp_path / "out.jsonl.progress"
+    path.write_text(json.dumps({"format": PROGRESS_FORMAT, "model": "wrong"}) + "\n")
+    assert ProgressFile(path, {"format": PROGRESS_FORMAT, "model": "right"}).load() is False
+    assert not path.exists()
+    # with a finished row the mismatch is still refused: resuming would mix outputs
+    path.write_text(json.dumps({"format": PROGRESS_FORMAT, "model": "wrong"}) + "\n" + json.dumps({"row": 0}) + "\n")
+    with pytest.raises(ValueError, match="was written by a run with other model"):
+        ProgressFile(path, {"format": PROGRESS_FORMAT, "model": "right"}).load()
