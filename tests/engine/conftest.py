@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_helpers import AUX_IDS, PROMPTS, QUICKSTART_TARGET, REFERENCE_ROTARY, REPO, YARN, K, target_embedding
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tiny_deepseek import write_tiny_deepseek_v3
 from vllm_env import engine_python
 
@@ -102,6 +103,28 @@ def quickstart_shape_export(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def broken_exports(k3_shape_export, tmp_path_factory) -> dict[str, Path]:
+    """Copies of the deepseek_mla export with one defect each, to see what vLLM's own code does with them."""
+    root = tmp_path_factory.mktemp("broken")
+    out = {}
+    for name in ("deepseek_v3_type", "extra_g_proj", "missing_up_proj"):
+        folder = Path(shutil.copytree(k3_shape_export, root / name))
+        weights = load_file(str(folder / "model.safetensors"))
+        if name == "deepseek_v3_type":  # what we exported before issue 19
+            config = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps({**config, "model_type": "deepseek_v3"}))
+        elif name == "extra_g_proj":  # a K3 gate in an engine-named export
+            o_proj = weights["layers.0.self_attn.o_proj.weight"]
+            weights["layers.0.self_attn.g_proj.weight"] = torch.zeros(o_proj.shape[1], 2 * o_proj.shape[0])
+            save_file(weights, str(folder / "model.safetensors"))
+        else:
+            del weights["layers.0.mlp.up_proj.weight"]
+            save_file(weights, str(folder / "model.safetensors"))
+        out[name] = folder
+    return out
+
+
+@pytest.fixture(scope="session")
 def engine_target(tmp_path_factory) -> Path:
     return write_tiny_deepseek_v3(tmp_path_factory.mktemp("target") / "tiny-deepseek-v3", target_embedding(), 6)
 
@@ -139,7 +162,14 @@ def probe(python: Path, folder: Path, plugin: Path | None = None, fails: bool = 
 
 @pytest.fixture(scope="session")
 def engine_runs(
-    vllm_python, k3_shape_export, quickstart_shape_export, k3_draft_export, plugin_site, engine_target, tmp_path_factory
+    vllm_python,
+    k3_shape_export,
+    quickstart_shape_export,
+    k3_draft_export,
+    plugin_site,
+    broken_exports,
+    engine_target,
+    tmp_path_factory,
 ) -> dict:
     """Every engine run the tests read, two at a time (each vLLM process keeps itself to one thread)."""
     root = tmp_path_factory.mktemp("engine")
@@ -158,6 +188,12 @@ def engine_runs(
                         plugin=plugin_site),
         "k3_without_plugin": dict(draft=str(k3_draft_export), dtype="float32", num_speculative_tokens=K,
                                   max_tokens=1, fails=True),
+        "deepseek_v3_type": dict(draft=str(broken_exports["deepseek_v3_type"]), dtype="float32",
+                                 num_speculative_tokens=1, max_tokens=1, fails=True),
+        "extra_g_proj": dict(draft=str(broken_exports["extra_g_proj"]), dtype="float32", num_speculative_tokens=1,
+                             max_tokens=1, fails=True),
+        "missing_up_proj": dict(draft=str(broken_exports["missing_up_proj"]), dtype="float32",
+                                num_speculative_tokens=1, max_tokens=1),
     }  # fmt: skip
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(probe, vllm_python, root / name, **common, **r) for name, r in runs.items()}

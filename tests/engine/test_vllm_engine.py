@@ -99,6 +99,27 @@ def test_speculative_config_resolves_our_export_unchanged(engine_runs, run, expo
     assert written["model_type"] == "kimi_k2" and written["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
 
 
+def test_vllm_turns_a_deepseek_v3_draft_into_an_mtp_head_so_we_export_kimi_k2(engine_runs):
+    """The export as written before issue 19 (model_type deepseek_v3) is refused by vLLM's SpeculativeConfig."""
+    log = engine_runs["deepseek_v3_type"]
+    assert "Model architectures ['Eagle3DeepSeekMTPModel'] are not supported" in log
+
+
+def test_vllm_refuses_a_k3_gate_in_an_engine_named_export(engine_runs):
+    assert "There is no module or parameter named 'layers.0.self_attn.g_proj'" in engine_runs["extra_g_proj"]
+
+
+def test_vllm_loads_an_incomplete_export_silently_so_our_exporter_checks_every_tensor(engine_runs, broken_exports):
+    """vLLM's load_weights returns None: an export missing up_proj starts, with half of gate_up_proj never written
+    (NaN here, garbage in a real engine). Our check refuses the folder."""
+    from lightning_eagle.draft.pretrained import check_export
+
+    load = engine_runs["missing_up_proj"].result["load"]
+    assert load["unset_after_load"] == ["model.embed_tokens.weight", "model.layers.0.mlp.gate_up_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing \['midlayer.mlp.up_proj.weight'\]"):
+        check_export(broken_exports["missing_up_proj"])
+
+
 def test_without_the_plugin_vllm_refuses_the_k3_draft_loudly(engine_runs):
     log = engine_runs["k3_without_plugin"]
     assert "Model architectures ['Eagle3KimiK3ForCausalLM'] are not supported" in log
