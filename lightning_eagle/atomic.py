@@ -83,14 +83,14 @@ def weights_folder_problem(folder: Path, architectures: frozenset[str]) -> str |
     entries = sorted(p.name for p in folder.iterdir())
     if not entries:
         return None
-    others = [
-        name
-        for name in entries
-        if name != "config.json" and not name.endswith((".safetensors", ".safetensors.index.json"))
-    ]
-    if others or any((folder / name).is_dir() for name in entries):
-        shown = others or [name for name in entries if (folder / name).is_dir()]
-        return f"it holds other files ({', '.join(shown[:5])}{', …' if len(shown) > 5 else ''})"
+
+    def ours(name: str) -> bool:
+        written = name == "config.json" or name.endswith((".safetensors", ".safetensors.index.json"))
+        return written and not (folder / name).is_dir()
+
+    others = [name for name in entries if not ours(name)]
+    if others:
+        return f"it holds other files ({', '.join(others[:5])}{', …' if len(others) > 5 else ''})"
     try:
         found = json.loads((folder / "config.json").read_text()).get("architectures")
     except (OSError, ValueError, AttributeError):

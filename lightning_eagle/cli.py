@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -99,6 +100,7 @@ class Eagle3CLI(LightningCLI):
 
 def export_main(argv: list[str]) -> None:
     from lightning_eagle.draft.export import export_draft
+    from lightning_eagle.draft.serving_format import CONFIG_NAME, serving_instructions
 
     parser = argparse.ArgumentParser(
         prog="lightning-eagle export", description="Write a trained draft in the EAGLE-3 serving layout."
@@ -119,10 +121,6 @@ def export_main(argv: list[str]) -> None:
         overwrite=args.overwrite,
     )
     print(f"exported {args.checkpoint} to {path}")
-    import json
-
-    from lightning_eagle.draft.serving_format import CONFIG_NAME, serving_instructions
-
     for line in serving_instructions(json.loads((path / CONFIG_NAME).read_text()), str(path)):
         print(line)
 

@@ -18,7 +18,6 @@ from the target config). This is a plain dataclass, not a ``PretrainedConfig``: 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,15 +269,3 @@ class Eagle3DraftConfig:
 
     def replace(self, **changes: Any) -> Eagle3DraftConfig:
         return dataclasses.replace(self, **changes)
-
-
-def warn_unportable_aux_layer_ids(ids: list[int], num_layers: int | None) -> None:
-    """Validate ``ids`` for an export and warn about ``L`` (the pre-norm final state, `k3_target.md` §6.4): it has
-    no portable engine meaning."""
-    ids = validate_taps(ids, num_layers, count=NUM_AUX_HIDDEN_STATES)
-    if num_layers is not None and num_layers in ids:
-        warnings.warn(
-            f"aux_layer_ids {ids} contain L={num_layers}: the model.norm tap (pre-norm final state) has no portable "
-            "engine meaning; make sure the serving engine taps the same state",
-            stacklevel=3,
-        )

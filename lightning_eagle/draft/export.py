@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from lightning_eagle.atomic import atomic_dir, weights_folder_problem
 from lightning_eagle.checkpoint_io import load_checkpoint_file
 from lightning_eagle.draft import serving_format as fmt
-from lightning_eagle.draft.config import Eagle3DraftConfig, warn_unportable_aux_layer_ids
+from lightning_eagle.draft.config import Eagle3DraftConfig
 from lightning_eagle.draft.model import KimiK3Eagle3Draft
 from lightning_eagle.draft.pretrained import check_export
 
@@ -65,8 +65,6 @@ def export_draft(
         changes["aux_hidden_state_stream"] = aux_hidden_state_stream
     if changes:
         config = config.replace(**changes)
-    if config.aux_layer_ids is not None:
-        warn_unportable_aux_layer_ids(config.aux_layer_ids, config.target_num_hidden_layers)
     if include_embeddings is None:
         include_embeddings = not config.freeze_embeddings
     if not include_embeddings:

@@ -24,7 +24,7 @@ id ``j`` is the hidden state *entering* target layer ``j`` (the output of layer 
 engine id ``i + 1`` (K3: ``[1, 45, 89]`` → ``[2, 46, 90]``); vLLM **sorts and de-duplicates** the ids and its V2 model
 runner reads only the **top-level** ``eagle_aux_hidden_state_layer_ids`` (the V1 runner reads ``eagle_config``), so
 both formats write the one-based ids in both places, ascending; a draft trained on ids in another order is exported
-with ``fc``'s input columns (and ``fc_norm``) permuted to that order (:func:`engine_aux_order`), which computes the
+with ``fc``'s input columns (and ``fc_norm``) permuted to that order (:func:`to_engine_aux_order`), which computes the
 same function. Our own 0-based ids, in ``fc`` order, are the project field ``aux_layer_ids``. Our tap ``L`` (the
 pre-norm final state, `k3_target.md` §6.4) would be engine id ``L + 1``, which no engine captures: refused.
 
@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from lightning_eagle.aux_layers import validate_aux_layer_ids as validate_taps
 from lightning_eagle.draft.config import (
     DEFAULT_ROPE_THETA,
     FIELDS_FROM_TARGET,
@@ -294,10 +295,13 @@ _ENGINE_PROJECT_FIELDS = (
 DEFAULT_MAX_POSITION_EMBEDDINGS = 4096  # HF DeepseekV3Config's default, used when neither draft nor target says
 
 
-def engine_aux_order(config: Eagle3DraftConfig) -> list[int]:
-    """The permutation that sorts ``config.aux_layer_ids`` (the engines sort them, module docstring): ``fc`` input
-    chunk ``j`` of the export is our chunk ``order[j]``. Refuses what no engine captures: our tap ``L``."""
-    ids, L = list(config.aux_layer_ids), config.target_num_hidden_layers
+def check_engine_aux_ids(config: Eagle3DraftConfig) -> None:
+    """The export's one check of the aux ids (module docstring): valid taps, our tap ``L`` refused (no engine captures
+    it), a warning for tap 0 (SGLang's +1 rule)."""
+    ids, L = (
+        validate_taps(config.aux_layer_ids, config.target_num_hidden_layers, count=NUM_AUX_HIDDEN_STATES),
+        config.target_num_hidden_layers,
+    )
     if L is not None and L in ids:
         raise ValueError(
             f"aux_layer_ids {ids} contain L={L} (the pre-norm final state): the engines number aux states by the "
@@ -311,15 +315,17 @@ def engine_aux_order(config: Eagle3DraftConfig) -> list[int]:
             "states one layer later than it was trained on; vLLM serves it as trained",
             stacklevel=4,
         )
-    return sorted(range(len(ids)), key=ids.__getitem__)
 
 
 def to_engine_aux_order(
     state: dict[str, torch.Tensor], config: Eagle3DraftConfig
 ) -> tuple[dict[str, torch.Tensor], Eagle3DraftConfig]:
-    """``state`` and ``config`` with the aux ids ascending, ``fc``'s input chunks and the ``fc_norm`` weights permuted
-    to match: the same function, in the order the engines feed (:func:`engine_aux_order`)."""
-    order = engine_aux_order(config)
+    """``state`` and ``config`` with the aux ids checked (:func:`check_engine_aux_ids`) and ascending, ``fc``'s input
+    chunks and the ``fc_norm`` weights permuted to match: the same function, in the order the engines feed (they sort
+    the ids). ``fc`` input chunk ``j`` of the export is our chunk ``order[j]``."""
+    check_engine_aux_ids(config)
+    ids = config.aux_layer_ids
+    order = sorted(range(len(ids)), key=ids.__getitem__)
     if order == sorted(order):
         return state, config
     state = dict(state)
@@ -329,12 +335,11 @@ def to_engine_aux_order(
         norms = [state[f"fc_norm.{i}.weight"] for i in range(len(order))]
         for j, i in enumerate(order):
             state[f"fc_norm.{j}.weight"] = norms[i]
-    return state, config.replace(aux_layer_ids=[config.aux_layer_ids[i] for i in order])
+    return state, config.replace(aux_layer_ids=[ids[i] for i in order])
 
 
 def check_ascending(config: Eagle3DraftConfig) -> None:
-    order = engine_aux_order(config)
-    if order != sorted(order):
+    if list(config.aux_layer_ids) != sorted(config.aux_layer_ids):
         raise ValueError(f"aux_layer_ids {config.aux_layer_ids} are not ascending: export through to_engine_aux_order")
 
 
@@ -380,7 +385,7 @@ def serving_instructions(config_json: dict[str, Any], folder: str) -> list[str]:
         )
     return lines + [
         f"engine setting the draft needs: {prefix}" if prefix else "engine setting: none",
-        f"serve: {prefix} vllm serve <K3 checkpoint> --speculative-config '{spec}'".replace("  ", " "),
+        f"serve: {prefix + ' ' if prefix else ''}vllm serve <K3 checkpoint> --speculative-config '{spec}'",
     ]
 
 

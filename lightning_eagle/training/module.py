@@ -33,7 +33,7 @@ from lightning_eagle.features.teacher_head import TeacherHead
 from lightning_eagle.k3.config import text_config_from_dict
 from lightning_eagle.k3.loader import config_fingerprint, resolve_target_path
 from lightning_eagle.k3.model import KimiK3ForCausalLM
-from lightning_eagle.parallel.dense_shard import gathered_weight, shard_draft
+from lightning_eagle.parallel.dense_shard import gathered_weight, is_sharded, shard_draft
 from lightning_eagle.parallel.layout import TargetParallelism, target_parallelism
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
 from lightning_eagle.parallel.validate import validate_target_config
@@ -495,9 +495,7 @@ class Eagle3Module(pl.LightningModule):
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         # a finite gradient times a huge learning rate can still overflow the weights; stop before a checkpoint
-        local = [
-            getattr(p, "to_local", lambda p=p: p)().detach() for p in self.trainable_parameters()
-        ]  # DTensor shards
+        local = [(p.to_local() if is_sharded(p) else p).detach() for p in self.trainable_parameters()]  # DTensor shards
         total = torch.stack([t.float().abs().sum() for t in local]).sum()
         self._stop_unless_finite("the sum of |updated draft weights|", total, batch_idx)
 
