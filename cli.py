@@ -1,6 +1,6 @@
 """Entry point: ``python cli.py fit --config configs/quickstart.yaml`` (same as the ``lightning-eagle`` script)."""
 
-from lightning_eagle.cli import main
+from lightning_eagle.commands.cli import main
 
 if __name__ == "__main__":
     main()

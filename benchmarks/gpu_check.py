@@ -9,9 +9,9 @@ Prints one markdown table per section and writes everything as JSON to ``--out``
 Sections:
 
 * ``kda_model`` — k3-tiny whole model (fp32, TF32 off), logits of every KDA backend vs the naive twin: max |Δ| and
-  PASS/FAIL with the tolerance of :mod:`lightning_eagle.k3.check_kda` (fla kernels: a "not installed" row without
+  PASS/FAIL with the tolerance of :mod:`lightning_eagle.k3.kda_compare` (fla kernels: a "not installed" row without
   flash-linear-attention). It does not write the check record that ``backend="auto"`` consults; run
-  ``python -m lightning_eagle.k3.check_kda`` for that.
+  ``python -m lightning_eagle.commands.check_kda`` for that.
 * ``golden`` — the vendored golden target (``tests/golden/target``) loaded through the real loader in fp32 and in
   bf16, per KDA backend, vs the golden fp32 logits at real tokens: relative error ``‖Δ‖₂/‖ref‖₂``, max |Δ|, argmax
   agreement, layer 0's relative error and the share of router flips per MoE layer. fp32 must meet the golden README
@@ -19,7 +19,7 @@ Sections:
   make bf16 flip expert choices, so its logits legitimately diverge (see :func:`section_golden`).
 * ``layers`` — one K3-width piece of each layer kind at T = 4096 in bf16, forward (the target is frozen), new path
   vs twin: the KDA token mixer (chunked torch / fla vs per-token naive), the MLA token mixer
-  (``attn_implementation="sdpa"`` vs ``"eager"``) and the routed experts of one expert-parallel rank (14 local
+  (``mla_backend="sdpa"`` vs ``"eager"``) and the routed experts of one expert-parallel rank (14 local
   experts of 896 at EP 64, dequantized bf16 and MXFP4 storage; grouped ``forward`` vs the ``forward_naive`` loop).
   The rank receives as many (token, expert) pairs as it sends under balanced routing, ``T·top_k`` = 65536 rows,
   each routed to one uniformly drawn local expert.
@@ -159,7 +159,7 @@ def fla_installed(device: torch.device) -> bool:
 
 # ---- (a) KDA: the whole k3-tiny model ------------------------------------------------------------------------------
 def section_kda_model(device: torch.device, sizes: Sizes) -> list[dict]:
-    from lightning_eagle.k3.check_kda import compare_kda_backends
+    from lightning_eagle.k3.kda_compare import compare_kda_backends
 
     installed = fla_installed(device)
     backends = ["chunk", *FLA_BACKENDS] if installed else ["chunk"]
@@ -315,12 +315,12 @@ def mla_rows(config, x: torch.Tensor, device: torch.device, repeats: int) -> lis
 
     with torch.device(device):
         mla = build_mla(config).to(x.dtype)
-    if not hasattr(mla, "attn_implementation"):
-        note = "NoPEMLA.attn_implementation is missing (lightning_eagle/ops/mla.py)"
+    if not hasattr(mla, "mla_backend"):
+        note = "NoPEMLA.mla_backend is missing (lightning_eagle/ops/mla.py)"
         return [{"layer": "MLA token mixer", "path": "sdpa", "twin": "eager", "status": "skipped", "note": note}]
 
     def run(implementation: str) -> torch.Tensor:
-        mla.attn_implementation = implementation
+        mla.mla_backend = implementation
         return mla(x)
 
     row = compare_paths("MLA token mixer", "sdpa", "eager", lambda: run("sdpa"), lambda: run("eager"), device, repeats)
@@ -408,7 +408,7 @@ def run_attention(fn, q, keys, values, mask, weight, scale, with_grad=True):
 
 def section_ttt_attention(device: torch.device, sizes: Sizes) -> list[dict]:
     from lightning_eagle.draft.ttt_attention import FLEX_CPU_REFUSAL, get_ttt_attention
-    from lightning_eagle.k3.check_kda import full_fp32
+    from lightning_eagle.k3.kda_compare import full_fp32
 
     dims = dict(sizes.attention)
     steps = dims.pop("steps")
@@ -461,14 +461,14 @@ def ttt_step_flops(draft, B: int, T: int, K: int, target_vocab: int, target_hidd
 
 def build_ttt_step(device: torch.device, sizes: Sizes):
     """The draft (bf16) and one post-shift batch with the target's final hidden and lm_head (the chunked teacher)."""
-    from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
+    from lightning_eagle.draft import Eagle3DraftConfig, build_draft
     from lightning_eagle.k3 import config_from_name
 
     target = config_from_name(sizes.draft_preset)
-    config = Eagle3DraftConfig.from_target_config(target, ttt_steps=sizes.ttt_steps, **sizes.draft_overrides)
+    config = Eagle3DraftConfig.from_target_config(target, **sizes.draft_overrides)
     torch.manual_seed(0)
     with torch.device(device):
-        draft = KimiK3Eagle3Draft(config).to(torch.bfloat16)
+        draft = build_draft(config).to(torch.bfloat16)
     B, T, V, Ht = 1, sizes.ttt_seq_len, target.vocab_size, target.hidden_size
     g = torch.Generator(device=device).manual_seed(0)
     attention_mask = torch.ones(B, T, dtype=torch.long, device=device)
@@ -570,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         args.peak_tflops = 989.0
     if device.type != "cuda":  # the CPU flex rows are unfused on purpose (forward-only check); on CUDA keep the warning
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-    from lightning_eagle.k3.check_kda import device_class
+    from lightning_eagle.k3.kda_records import device_class
 
     report = {
         "meta": {

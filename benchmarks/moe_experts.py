@@ -9,7 +9,7 @@ Expert paths (same module, same routes):
 * ``naive``: ``RoutedExperts.forward_naive``, the per-expert loop with boolean masks (the readable twin);
 * ``sorted loop``: the previous ``forward`` (tokens sorted by expert, counts read to the host, one GEMM pair per
   expert in a Python loop; MXFP4 decoded per expert), reproduced here as the baseline;
-* ``grouped bmm`` / ``grouped_mm``: ``RoutedExperts.forward`` with ``grouped_backend`` set.
+* ``grouped bmm`` / ``grouped_mm``: ``RoutedExperts.forward`` with ``experts_backend`` set.
 
 Paths are timed interleaved (round-robin), median of ``--repeats``. On a CPU shared with other jobs, run with
 ``--threads 1``: with more threads than idle cores every small op waits at an OpenMP barrier for descheduled
@@ -30,7 +30,7 @@ import torch
 
 from lightning_eagle.k3 import KimiK3ForCausalLM, config_from_name
 from lightning_eagle.k3.experts import RoutedExperts, grouped_mm_runs
-from lightning_eagle.k3.model import set_attn_implementation
+from lightning_eagle.k3.model import set_backends
 from lightning_eagle.k3.mxfp4 import encode_mxfp4
 
 SHAPES = {"k3-tiny": (8, 2, 96, 32), "wide": (64, 8, 512, 256)}  # experts, top-k, H_l, I
@@ -92,7 +92,7 @@ def build_experts(shape: str, storage: str) -> RoutedExperts:
 def expert_paths(experts: RoutedExperts) -> dict:
     def grouped(backend):
         def run(z, idx, w):
-            experts.grouped_backend = backend
+            experts.experts_backend = backend
             return experts(z, idx, w)
 
         return run
@@ -143,13 +143,13 @@ def model_table(args) -> None:
     print("### Whole k3-tiny forward (fp32, B=1, no padding)")
     print()
     config = config_from_name("k3-tiny")
-    before = KimiK3ForCausalLM(config, attn_implementation="eager").init_weights(0).freeze()
+    before = KimiK3ForCausalLM(config, mla_backend="eager").init_weights(0).freeze()
     for layer in before.model.layers:
         if hasattr(layer, "block_sparse_moe"):
             experts = layer.block_sparse_moe.experts
             experts.forward = partial(previous_forward, experts)
     after = KimiK3ForCausalLM(config).init_weights(0).freeze()
-    set_attn_implementation(after, "sdpa")
+    set_backends(after, mla_backend="sdpa")
     print("| T | before: eager + sorted loop (ms) | after: SDPA + grouped (ms) | ratio | max abs logit diff |")
     print("|---|---|---|---|---|")
     for T in args.model_lengths:

@@ -51,7 +51,8 @@ def main(steps: int = 12) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         start = time.perf_counter()
-        out = dump_features(Eagle3Module(**MODULE), ChatDataModule(**DATA), root / "features", _trainer(root),
+        spec = Eagle3Module(**MODULE).target_spec
+        out = dump_features(spec, ChatDataModule(**DATA), root / "features", _trainer(root),
                             dtype="bfloat16")  # fmt: skip
         seconds = time.perf_counter() - start
         manifest = fmt.read_json(out / fmt.MANIFEST_NAME)

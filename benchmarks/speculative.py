@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_eagle.k3.pretrain import QUICKSTART_TARGET
+from lightning_eagle.k3.loader import QUICKSTART_TARGET
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART_DRAFT = REPO / "runs" / "quickstart" / "draft"
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = bundled_held_out_prompts(args.num_prompts)
     print(
         f"target {args.target} ({target.config.num_hidden_layers} layers, vocab {target.config.vocab_size}); "
-        f"draft {args.draft} (aux ids {draft.config.aux_layer_ids}, trained with K={draft.config.ttt_steps}); "
+        f"draft {args.draft} (aux ids {draft.config.aux_layer_ids}); "
         f"{len(prompts)} held-out prompts, {args.max_new_tokens} new tokens each, {args.threads} thread(s)\n"
     )
     rows = []

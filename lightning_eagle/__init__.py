@@ -2,7 +2,7 @@
 
 Data flow: ``data`` (chats → tokens + loss masks + vocab map) → ``k3`` (frozen K3, aux hidden states, teacher
 hidden) → ``draft`` (NoPE-MLA gated EAGLE-3 layer) → ``training`` (TTT loss, metrics, LightningModule) →
-``parallel`` (expert-parallel strategy, layout gates) → ``cli``.
+``parallel`` (expert-parallel strategy, layout gates) → ``commands`` (every command line).
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ transformers)."""
 
 from __future__ import annotations
 
+# Which AttnRes stream the taps read: the raw in-block prefix (what the reference and public K3 drafts use) or the mix
+# the next layer reads.
+AUX_STREAMS = ("prefix", "mixed")
+
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3's default taps ``[1, L//2 - 1, L - 4]`` (0-based decoder-layer outputs; K3: ``[1, 45, 89]``)."""
@@ -21,6 +25,13 @@ def resolve_default_aux_layer_ids(num_layers: int) -> list[int]:
             f"target ({err}); pass aux_layer_ids explicitly (e.g. [1, {max(num_layers // 2, 2)}, {num_layers - 1}] "
             "for k3-tiny: [1, 3, 5])"
         ) from None
+
+
+def resolve_aux_layer_ids(aux_layer_ids, num_hidden_layers: int) -> list[int]:
+    """Explicit ids validated, or (None) the default taps, validated."""
+    if aux_layer_ids is None:
+        return resolve_default_aux_layer_ids(num_hidden_layers)
+    return validate_aux_layer_ids(aux_layer_ids, num_hidden_layers)
 
 
 def validate_aux_layer_ids(aux_layer_ids, num_hidden_layers: int | None, count: int | None = 3) -> list[int]:

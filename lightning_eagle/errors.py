@@ -3,6 +3,15 @@ input) instead of a traceback, because the message already says what happened an
 
 from __future__ import annotations
 
+import os
+
+DEBUG_ENV = "LIGHTNING_EAGLE_DEBUG"  # set (not "0"): the command line shows the full traceback instead
+
+
+def debug_requested() -> bool:
+    """Whether the user asked for tracebacks through :data:`DEBUG_ENV`."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
 
 class RunError(RuntimeError):
     """A run stopped for a reason its message names (not a bug)."""

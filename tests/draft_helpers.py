@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
+from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft, build_draft
 from lightning_eagle.k3.presets import config_from_name
 
 
@@ -16,7 +16,7 @@ def tiny_config(**overrides) -> Eagle3DraftConfig:
 
 def tiny_draft(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> KimiK3Eagle3Draft:
     torch.manual_seed(seed)
-    draft = KimiK3Eagle3Draft(tiny_config(**overrides))
+    draft = build_draft(tiny_config(**overrides))
     with torch.no_grad():
         # Non-trivial norm weights and a non-prefix vocabulary map, so that mix-ups cannot pass by coincidence.
         for name, p in draft.named_parameters():

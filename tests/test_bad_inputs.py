@@ -25,11 +25,10 @@ from safetensors.torch import load_file, save_file
 import lightning_eagle
 from lightning_eagle import Eagle3Module, KimiK3Eagle3Draft, KimiK3ForCausalLM
 from lightning_eagle.checkpoint_io import CheckpointLoadError
-from lightning_eagle.cli import main
+from lightning_eagle.commands.cli import main
 from lightning_eagle.data import ChatDataModule, DataRowError, load_kimi_tokenizer, synthetic_k3_tokenizer
 from lightning_eagle.data.tokenizer_files import save_tokenizer_dir
 from lightning_eagle.draft.export import export_draft
-from lightning_eagle.draft.pretrained import load_pretrained
 from lightning_eagle.k3 import config_from_name
 from lightning_eagle.k3 import loader as target_loader
 from lightning_eagle.k3.loader import CheckpointError
@@ -326,13 +325,9 @@ def test_target_checkpoint(tmp_path, tiny_target, target_state, edit, fragments)
     assert snapshot(tmp_path) == before
 
 
-# ---- draft exports: KimiK3Eagle3Draft.from_pretrained / load_pretrained / export_draft ------------------------------
+# ---- draft exports: KimiK3Eagle3Draft.from_pretrained / export_draft -------------------------------------------------
 def _from_pretrained(d, tmp):
     KimiK3Eagle3Draft.from_pretrained(d, target_embedding=torch.zeros(256, 128))
-
-
-def _load_pretrained(d, tmp):
-    load_pretrained(d, target_embedding=torch.zeros(256, 128))
 
 
 def _export_into_existing(d, tmp):
@@ -365,7 +360,7 @@ DRAFT_CASES = [
     pytest.param(lambda d: (d / "config.json").unlink(), _from_pretrained, FileNotFoundError,
                  ["draft folder '$dir' has no config.json (expected a draft export: config.json + model.safetensors)"],
                  id="missing-config"),
-    pytest.param(lambda d: (d / "model.safetensors").unlink(), _load_pretrained, FileNotFoundError,
+    pytest.param(lambda d: (d / "model.safetensors").unlink(), _from_pretrained, FileNotFoundError,
                  ["$dir has neither model.safetensors nor model.safetensors.index.json"], id="missing-weights"),
     pytest.param(_truncate("model.safetensors"), _from_pretrained, ValueError,
                  ["$dir/model.safetensors: cannot read safetensors file"], id="truncated-weights"),
@@ -373,13 +368,13 @@ DRAFT_CASES = [
                  ["$dir/model.safetensors does not match $dir/config.json: export key set mismatch: "
                   "missing ['norm.weight'], unexpected ['extra.weight']"], id="key-set-mismatch"),
     pytest.param(_draft_state(lambda s: s.__setitem__("fc.weight", s["fc.weight"][:, :-1].contiguous())),
-                 _load_pretrained, ValueError,
+                 _from_pretrained, ValueError,
                  ["$dir/model.safetensors does not match $dir/config.json: export key fc.weight: shape (128, 383), "
                   "expected (128, 384)"], id="wrong-shape"),
     pytest.param(_set_config("config.json", architectures=["LlamaForCausalLM"]), _from_pretrained, ValueError,
                  ["$dir/config.json: not a lightning_eagle K3 draft export: architectures=['LlamaForCausalLM']"],
                  id="config-other-architecture"),
-    pytest.param(lambda d: (d / "config.json").write_text("{"), _load_pretrained, ValueError,
+    pytest.param(lambda d: (d / "config.json").write_text("{"), _from_pretrained, ValueError,
                  ["$dir/config.json: invalid JSON"], id="config-invalid-json"),
     pytest.param(lambda d: None, _export_into_existing, FileExistsError,
                  ["$dir exists; pass --overwrite (overwrite=True) to replace a previous write there"],

@@ -14,7 +14,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_eagle.data.dataset import EncodeOptions, TokenizedChatDataset, collate_chat_rows
+from lightning_eagle.data.dataset import TokenizedChatDataset, collate_chat_rows
+from lightning_eagle.data.encoding import EncodeOptions
 from lightning_eagle.data.formats import FORMATS, expand_paths
 from lightning_eagle.data.loss_mask import (
     KIMI_K3_DEFAULTS,
@@ -26,7 +27,8 @@ from lightning_eagle.data.loss_mask import (
 from lightning_eagle.data.render_k3 import validate_render_options
 from lightning_eagle.data.sampler import ResumableDataLoader, ResumableTrainLoader
 from lightning_eagle.data.synthetic_corpus import bundled_sample_path
-from lightning_eagle.data.tokenizer import KimiTokenizer, resolve_tokenizer
+from lightning_eagle.data.tokenizer import KimiTokenizer
+from lightning_eagle.data.tokenizer_choice import resolve_tokenizer
 from lightning_eagle.data.vocab_map import VocabMapping, build_vocab_mapping, vocab_map_fingerprint
 from lightning_eagle.settings import check_settings
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from lightning_eagle.data.rows import DataRowError, RawLine, RawRow, RowProblem, describe_value
+from lightning_eagle.data.rows import DataRowError, RawLine, RawRow, RowProblem, describe_value, iter_json_text
 
 FORMATS = ("auto", "sharegpt", "openai", "tokens")
 RESOLVED_FORMATS = ("sharegpt", "openai", "tokens")
@@ -220,8 +220,6 @@ def parse_line(item: RawLine) -> RawRow:
 
 
 def _iter_json(path: Path, compression: str | None) -> Iterator[RawRow | DataRowError]:
-    from lightning_eagle.data.rows import iter_json_text
-
     name = str(path)
     try:
         with _open_binary(path, compression) as stream:
@@ -551,7 +549,12 @@ def iter_source_rows(source: Source) -> Iterator[RawRow | DataRowError]:
 def iter_rows(
     specs: str | os.PathLike | Sequence[str | os.PathLike], format: str = "auto"
 ) -> Iterator[RawRow | DataRowError]:
-    """Normalized rows of files / globs / directories, in order."""
+    """Normalized rows (``{"messages": ...}`` or ``{"input_ids": ...}``) of files / globs / directories, in order, in
+    any supported format (``format="auto"`` detects it per file).
+
+    A JSONL line that is not valid JSON, or a row that cannot be normalized (a ShareGPT turn with an unknown role), is
+    yielded as a :class:`DataRowError`; a file that cannot be read at all (not UTF-8, a ``.json`` file that does not
+    parse, a broken compressed stream) raises one (its rows cannot be told apart)."""
     if isinstance(specs, (str, os.PathLike)):
         specs = [specs]
     for source in resolve_sources(specs, format):

@@ -116,6 +116,17 @@ def _pad_id(tokenizer: Any) -> int | None:
     return None if pad == getattr(tokenizer, "unk_token_id", object()) else pad
 
 
+def _spans_mask(ids: list[int], spans: list[tuple[int, int]], last_turn_only: bool, pad: int | None) -> torch.Tensor:
+    """1 inside the recovered spans (only the last one with ``last_turn_only``), 0 elsewhere and on every ``pad`` id:
+    padding is never content, even inside a span that runs to the end."""
+    mask = [0] * len(ids)
+    for start, end in spans[-1:] if last_turn_only else spans:
+        mask[start:end] = [1] * (end - start)
+    if pad is not None:
+        mask = [0 if t == pad else m for t, m in zip(ids, mask)]
+    return torch.tensor(mask, dtype=torch.long)
+
+
 # ----------------------------------------------------------------------------------------------------- kimi_k3
 
 _ATTR_RE = re.compile(r'([A-Za-z_][\w.:-]*)\s*=\s*"([^"]*)"')
@@ -151,7 +162,6 @@ def _k3_compute(
 ) -> torch.Tensor:
     ids = _as_id_list(input_ids)
     n = len(ids)
-    mask = [0] * n
     OPEN, CLOSE, SEP, EOM = (tokenizer.convert_tokens_to_ids(t) for t in XTML_MARKERS)
     markers = {OPEN, CLOSE, SEP, EOM}
     pad = _pad_id(tokenizer)
@@ -203,11 +213,7 @@ def _k3_compute(
                 spans.append((start, end))
         i = k + 1 if k < n else n  # non-assistant elements are skipped whole
 
-    for start, end in spans[-1:] if last_turn_only else spans:
-        mask[start:end] = [1] * (end - start)
-    if pad is not None:  # padding is never content, even inside a span that runs to the end
-        mask = [0 if t == pad else m for t, m in zip(ids, mask)]
-    return torch.tensor(mask, dtype=torch.long)
+    return _spans_mask(ids, spans, last_turn_only, pad)
 
 
 def _scaffold_only(tail: list[int], OPEN: int, SEP: int, markers: set[int], pad: int | None) -> bool:
@@ -271,13 +277,7 @@ def _k2_compute(tokenizer: Any, input_ids: Any, *, last_turn_only: bool = False)
         if j + 1 < k:
             spans.append((j + 1, k))
         i = k
-    mask = [0] * n
-    for start, end in spans[-1:] if last_turn_only else spans:
-        mask[start:end] = [1] * (end - start)
-    pad = _pad_id(tokenizer)
-    if pad is not None:
-        mask = [0 if t == pad else m for t, m in zip(ids, mask)]
-    return torch.tensor(mask, dtype=torch.long)
+    return _spans_mask(ids, spans, last_turn_only, _pad_id(tokenizer))
 
 
 def _k2_detect(tokenizer: Any) -> bool:

@@ -13,10 +13,11 @@ import torch
 
 def load_chat_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a JSONL/JSON chat file (the training data formats)."""
-    from lightning_eagle.data.rows import DataRowError, iter_raw_rows
+    from lightning_eagle.data.formats import iter_rows
+    from lightning_eagle.data.rows import DataRowError
 
     rows = []
-    for row in iter_raw_rows(path):
+    for row in iter_rows(path):
         if isinstance(row, DataRowError):
             raise row
         rows.append(row.data)
@@ -86,9 +87,10 @@ def prompts_from_datamodule(datamodule, max_prompts: int | None = None) -> list[
         if hasattr(base, "source"):
             file, line = base.source(idx)
             if file not in sources:
-                from lightning_eagle.data.rows import RawRow, iter_raw_rows
+                from lightning_eagle.data.formats import iter_rows
+                from lightning_eagle.data.rows import RawRow
 
-                sources[file] = {r.line: r.data for r in iter_raw_rows(file) if isinstance(r, RawRow)}
+                sources[file] = {r.line: r.data for r in iter_rows(file) if isinstance(r, RawRow)}
             data = sources[file].get(line)
         if isinstance(data, dict) and "messages" in data:
             prompts += prompts_from_chats(
@@ -138,7 +140,7 @@ def _is_token_ids(item) -> bool:
 
 def _tokenizer(tokenizer):
     if tokenizer is None or isinstance(tokenizer, str):
-        from lightning_eagle.data.tokenizer import resolve_tokenizer
+        from lightning_eagle.data.tokenizer_choice import resolve_tokenizer
 
         return resolve_tokenizer(tokenizer or "synthetic")
     return tokenizer

@@ -1,8 +1,8 @@
 """Data report: what a config's chat data turns into before any GPU hour is spent on it.
 
-``python cli.py data-report --config … [--out DIR]`` (:func:`main`) reads the config exactly as ``fit`` does, runs the
-data module's tokenization and writes ``report.txt`` (also printed), ``report.json`` and ``lengths.png`` into
-``--out`` (default ``<trainer.default_root_dir>/data_report``). From Python: :func:`data_report`.
+:func:`data_report` runs a data module's tokenization and writes ``report.txt``, ``report.json`` and ``lengths.png``;
+the command line ``lightning-eagle data-report --config … [--out DIR]``
+(:mod:`lightning_eagle.commands.data_report`) reads the config exactly as ``fit`` does and prints the text report.
 
 What it reports, per input (training files / explicit validation files) and per split (train / val):
 
@@ -20,7 +20,6 @@ What it reports, per input (training files / explicit validation files) and per 
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -33,7 +32,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_eagle.data.dataset import TokenizedChatDataset
-from lightning_eagle.data.rows import DataRowError, iter_raw_rows
+from lightning_eagle.data.formats import iter_rows
+from lightning_eagle.data.report_plot import bin_width, plot_lengths
+from lightning_eagle.data.rows import DataRowError
 from lightning_eagle.data.vocab_map import select_draft_tokens
 
 if TYPE_CHECKING:
@@ -251,10 +252,6 @@ def _row(label: str, values: Sequence[Any], width: int = 36, col: int = 12) -> s
     return f"{label:<{width}}" + "".join(f"{str(v):>{col}}" for v in values)
 
 
-def _rows(n: int) -> str:
-    return f"{n} row" if n == 1 else f"{n} rows"
-
-
 def _ordered_roles(roles: Iterable[str]) -> list[str]:
     roles = set(roles)
     return [r for r in ROLE_ORDER if r in roles] + sorted(roles - set(ROLE_ORDER))
@@ -406,7 +403,7 @@ def _count_roles(src: SourceStats, data: TokenizedChatDataset, assign, role_coun
     """Messages per role in the source rows: over every parsed row (``src``) and per split of the kept rows."""
     formats, roles, calls = Counter(), Counter(), 0
     for f in data.summary.files:
-        for item in iter_raw_rows(f):
+        for item in iter_rows(f):
             if isinstance(item, DataRowError):  # not JSON, or not normalizable (e.g. an unknown ShareGPT role)
                 formats["unreadable"] += 1
                 continue
@@ -430,7 +427,7 @@ def _count_roles(src: SourceStats, data: TokenizedChatDataset, assign, role_coun
 
 
 def _row_messages(row: Any) -> tuple[str, list]:
-    """(kind, messages) of a source row as ``iter_raw_rows`` yields it (normalized to ``messages`` whatever the file
+    """(kind, messages) of a source row as ``formats.iter_rows`` yields it (normalized to ``messages`` whatever the file
     format); other shapes count as ``other`` with no messages."""
     if isinstance(row, dict) and isinstance(row.get("messages"), list):
         return "chat", row["messages"]
@@ -484,18 +481,13 @@ def _split_stats(name: str, data: TokenizedChatDataset | None, idx: list[int], m
     return stats, lengths, supervised, counts
 
 
-def _bin_width(longest: int, bins: int) -> int:
-    """A power of two giving about ``bins`` bins up to ``longest``."""
-    return 1 << max(0, math.ceil(math.log2(max(1.0, longest / bins))))
-
-
 def _length_bins(lengths: dict[str, list[int]]) -> list[LengthBin]:
     """Power-of-two wide bins from the shortest row's bin to the longest row (the last bin is closed there)."""
     filled = [v for v in lengths.values() if v]
     if not filled:
         return []
     shortest, longest = min(min(v) for v in filled), max(max(v) for v in filled)
-    width = _bin_width(longest - shortest + 1, LENGTH_TABLE_BINS)
+    width = bin_width(longest - shortest + 1, LENGTH_TABLE_BINS)
     first = shortest // width
     n_bins = max(1, math.ceil(longest / width) - first)  # a row of exactly a multiple of width joins the last bin
     bins = [LengthBin((first + k) * width, (first + k + 1) * width - 1, {name: 0 for name in lengths})
@@ -564,110 +556,3 @@ def _notes(report: DataReport, dm: ChatDataModule) -> list[str]:
     if report.split("val").rows == 0:
         notes.append("the val split is empty: no validation (set --data.val_fraction or --data.val_files)")
     return notes
-
-
-# --------------------------------------------------------------------------------------------- the plot
-
-
-def plot_lengths(
-    lengths: dict[str, list[int]], supervised: dict[str, list[int]], max_length: int, path: str | Path
-) -> Path:
-    """``lengths.png``: rows per token count (left) and per supervised-token count (right), train and val stacked."""
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg, without pyplot's global state
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11, 4.2), dpi=110)
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, 2)
-    panels = [
-        (axes[0], lengths, "tokens per row (after truncation)", "Row lengths"),
-        (axes[1], supervised, "supervised tokens per row (loss_mask = 1)", "Supervised tokens per row"),
-    ]
-    colors = {"train": "#3465a4", "val": "#f57900"}
-    for ax, values, xlabel, title in panels:
-        names = [n for n in values if values[n]]
-        longest = max((max(values[n]) for n in names), default=1)
-        show_cap = values is lengths and max_length <= 1.25 * longest
-        hi = max(longest, max_length) if show_cap else longest
-        width = _bin_width(hi, 40)
-        # The last bin is closed on the right ([a, b]): rows of exactly max_length sit left of its line.
-        edges = np.arange(0, math.ceil(hi / width) * width + 1, width)
-        if names:
-            ax.hist([values[n] for n in names], bins=edges, stacked=True, color=[colors.get(n) for n in names],
-                    label=[f"{n} ({_rows(len(values[n]))})" for n in names])  # fmt: skip
-        else:
-            ax.text(0.5, 0.5, "no kept rows", ha="center", va="center", transform=ax.transAxes)
-        if show_cap:
-            at_cap = sum(1 for n in names for v in values[n] if v == max_length)
-            ax.axvline(max_length, color="#cc0000", linestyle="--", linewidth=1.2,
-                       label=f"max_length {max_length} ({_rows(at_cap)} at it)")  # fmt: skip
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("rows")
-        ax.set_title(title)
-        ax.set_xlim(0, edges[-1] + width / 2)
-        ax.grid(axis="y", alpha=0.3)
-        if names or show_cap:
-            ax.legend(fontsize="small")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
-
-
-# --------------------------------------------------------------------------------------------- command line
-
-# The report never runs the trainer: build it on one CPU so a GPU config can be checked from any machine.
-_TRAINER_OVERRIDES = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.num_nodes", "1",
-                      "--trainer.strategy", "auto"]  # fmt: skip
-
-
-def _with_trainer_overrides(words: list[str]) -> list[str]:
-    """Insert the CPU trainer settings after the last ``--config`` (so later command-line overrides still win)."""
-    at = 0
-    for i, word in enumerate(words):
-        if word == "--config":
-            at = i + 2
-        elif word.startswith("--config="):
-            at = i + 1
-    return words[:at] + _TRAINER_OVERRIDES + words[at:]
-
-
-def _parse_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(part) for part in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not sizes or any(n <= 0 for n in sizes):
-        raise argparse.ArgumentTypeError(f"expected positive sizes, got {text!r}")
-    return sizes
-
-
-def main(argv: list[str], from_sys_argv: bool = False) -> None:
-    """``data-report --config … [--out DIR] [--vocab-sizes 8192,16384]``: the other options (``--config``,
-    ``--data.*``, ``--trainer.*``, ``--model.*``) are read as ``fit`` reads them.
-
-    ``from_sys_argv``: True when ``argv`` is ``sys.argv`` after the subcommand (as ``cli.dump_main`` takes it).
-    """
-    from lightning_eagle.cli import _make_cli, _resolve_packaged_configs
-    from lightning_eagle.data.datamodule import ChatDataModule
-
-    parser = argparse.ArgumentParser(
-        prog="lightning-eagle data-report",
-        description="Tokenize the config's chat data as fit would and report rows kept/refused, truncation, "
-        "supervised fraction, lengths, roles and draft-vocab coverage (report.txt, report.json, lengths.png). "
-        "Other options (--config, --data.*, --trainer.*, --model.*) are read as for fit.",
-    )
-    parser.add_argument("--out", default=None, help="output folder (default: <trainer.default_root_dir>/data_report)")
-    parser.add_argument("--vocab-sizes", type=_parse_sizes, default=None,
-                        help="draft vocabulary sizes for the coverage table, e.g. 8192,16384,32000")  # fmt: skip
-    args, rest = parser.parse_known_args(argv)
-    cli = _make_cli(_with_trainer_overrides(_resolve_packaged_configs(rest)), from_sys_argv, run=False)
-    if not isinstance(cli.datamodule, ChatDataModule):
-        raise ValueError(
-            f"data-report reads chats through ChatDataModule, the config's data is {type(cli.datamodule).__name__}"
-        )
-    out = Path(args.out) if args.out else Path(cli.trainer.default_root_dir) / "data_report"
-    report = data_report(cli.datamodule, out, vocab_sizes=args.vocab_sizes)
-    print(report.to_text())

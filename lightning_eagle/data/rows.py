@@ -3,7 +3,7 @@
 A (normalized) row is either a conversation ``{"messages": [...], "tools": [...]?}`` (OpenAI-style messages with
 roles ``system``/``user``/``assistant``/``tool``) or a pre-tokenized row ``{"input_ids": [...], "loss_mask": [...]?}``.
 Files in other formats (ShareGPT, Parquet, compressed JSONL, globs, directories) are read and normalized to these
-by :mod:`lightning_eagle.data.formats`; :func:`iter_raw_rows` is the entry point.
+by :mod:`lightning_eagle.data.formats`; :func:`lightning_eagle.data.formats.iter_rows` is the entry point.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from lightning_eagle.data.render_k3 import KNOWN_ROLES, ChatFormatError, normalize_arguments
@@ -69,18 +68,6 @@ def describe_value(value: Any) -> str:
 def _expect(cond: bool, field: str, expected: str, value: Any) -> None:
     if not cond:
         raise RowProblem(field, f"expected {expected}, got {describe_value(value)}")
-
-
-def iter_raw_rows(path: str | Path, format: str = "auto") -> Iterator[RawRow | DataRowError]:
-    """Normalized rows (``{"messages": ...}`` or ``{"input_ids": ...}``) of a file, glob or directory in any supported
-    format (:mod:`lightning_eagle.data.formats`; ``format="auto"`` detects it per file).
-
-    A JSONL line that is not valid JSON, or a row that cannot be normalized (a ShareGPT turn with an unknown role), is
-    yielded as a :class:`DataRowError`; a file that cannot be read at all (not UTF-8, a ``.json`` file that does not
-    parse, a broken compressed stream) raises one (its rows cannot be told apart)."""
-    from lightning_eagle.data.formats import iter_rows
-
-    return iter_rows(path, format)
 
 
 def iter_json_text(name: str, text: str) -> Iterator[RawRow]:

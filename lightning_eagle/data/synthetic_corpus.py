@@ -6,14 +6,14 @@ multi-turn follow-ups), and most assistant turns carry a short reasoning section
 used, so the same ``(n, seed)`` gives the same rows on every platform; the bundled file is
 ``generate_synthetic_corpus(SAMPLE_SIZE, SAMPLE_SEED)`` and a test checks it byte for byte.
 
-Regenerate the bundled file with ``python -m lightning_eagle.data.synthetic_corpus``.
+Regenerate the bundled file with ``python -m lightning_eagle.commands.synthetic_corpus``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,8 @@ from typing import Any
 SAMPLE_SIZE = 400
 SAMPLE_SEED = 0
 SAMPLE_FILE_NAME = "synthetic_chat.jsonl"
-_ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets" / "data"  # shipped as package data
+# Shipped as package data; written by ``python -m lightning_eagle.commands.synthetic_corpus``.
+BUNDLED_SAMPLE = Path(__file__).resolve().parents[1] / "assets" / "data" / SAMPLE_FILE_NAME
 
 CITIES = ("Paris", "Rome", "Oslo", "Cairo", "Lima", "Tokyo")
 CONDITIONS = ("sunny", "cloudy", "rainy", "windy")
@@ -38,6 +39,14 @@ GREETINGS = (("Hello!", "Hello! How can I help?"), ("Hi there.", "Hi! What do yo
 THANKS = (("Thanks!", "You are welcome."), ("Thank you.", "Glad to help."))
 
 
+def _exchange(question: str, reasoning: str, answer: str) -> list[dict[str, Any]]:
+    """One user question and the assistant's reasoned answer (the keys in this order: the bundled file's bytes)."""
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "reasoning_content": reasoning, "content": answer},
+    ]
+
+
 def _arithmetic(rng: random.Random) -> list[dict[str, Any]]:
     a, b = rng.randint(0, 20), rng.randint(0, 20)
     op = rng.choice(("plus", "minus", "times"))
@@ -45,46 +54,26 @@ def _arithmetic(rng: random.Random) -> list[dict[str, Any]]:
         a, b = b, a
     result = {"plus": a + b, "minus": a - b, "times": a * b}[op]
     sign = {"plus": "+", "minus": "-", "times": "*"}[op]
-    return [
-        {"role": "user", "content": f"What is {a} {op} {b}?"},
-        {
-            "role": "assistant",
-            "reasoning_content": f"{a} {op} {b} is {result}.",
-            "content": f"{a} {sign} {b} = {result}.",
-        },
-    ]
+    return _exchange(f"What is {a} {op} {b}?", f"{a} {op} {b} is {result}.", f"{a} {sign} {b} = {result}.")
 
 
 def _counting(rng: random.Random) -> list[dict[str, Any]]:
     start = rng.randint(1, 12)
     stop = start + rng.randint(2, 6)
     numbers = ", ".join(str(i) for i in range(start, stop + 1))
-    return [
-        {"role": "user", "content": f"Count from {start} to {stop}."},
-        {"role": "assistant", "reasoning_content": f"Start at {start}, stop at {stop}.", "content": f"{numbers}."},
-    ]
+    return _exchange(f"Count from {start} to {stop}.", f"Start at {start}, stop at {stop}.", f"{numbers}.")
 
 
 def _backwards(rng: random.Random) -> list[dict[str, Any]]:
     word = rng.choice(WORDS)
     letters = " ".join(word)
-    return [
-        {"role": "user", "content": f"Spell {word} backwards."},
-        {
-            "role": "assistant",
-            "reasoning_content": f"The letters are {letters}.",
-            "content": f"{word} backwards is {word[::-1]}.",
-        },
-    ]
+    return _exchange(f"Spell {word} backwards.", f"The letters are {letters}.", f"{word} backwards is {word[::-1]}.")
 
 
 def _fact(rng: random.Random) -> list[dict[str, Any]]:
     question = rng.choice(sorted(FACTS))
     answer, reasoning = FACTS[question]
-    return [
-        {"role": "user", "content": question},
-        {"role": "assistant", "reasoning_content": reasoning, "content": answer},
-    ]
+    return _exchange(question, reasoning, answer)
 
 
 def _weather(rng: random.Random) -> list[dict[str, Any]]:
@@ -188,21 +177,15 @@ def write_synthetic_corpus(path: str | Path, n: int = SAMPLE_SIZE, seed: int = S
 
 def bundled_sample_path() -> Path:
     """Path of the bundled sample corpus (``lightning_eagle/assets/data/synthetic_chat.jsonl``)."""
-    path = _ASSETS_DIR / SAMPLE_FILE_NAME
+    path = BUNDLED_SAMPLE
     if not path.is_file():
-        raise FileNotFoundError(f"bundled sample corpus missing at {path}; regenerate it with {__name__}")
+        raise FileNotFoundError(
+            f"bundled sample corpus missing at {path}; "
+            "regenerate it with python -m lightning_eagle.commands.synthetic_corpus"
+        )
     return path
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write the synthetic chat corpus as JSONL.")
-    parser.add_argument("--n", type=int, default=SAMPLE_SIZE)
-    parser.add_argument("--seed", type=int, default=SAMPLE_SEED)
-    parser.add_argument("--out", type=Path, default=None, help="default: the bundled sample file")
-    args = parser.parse_args(argv)
-    out = args.out or _ASSETS_DIR / SAMPLE_FILE_NAME
-    print(write_synthetic_corpus(out, args.n, args.seed))
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the command line moved above the library; say where, run nothing
+    print("moved: use python -m lightning_eagle.commands.synthetic_corpus with the same arguments", file=sys.stderr)
+    raise SystemExit(2)

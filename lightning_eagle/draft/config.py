@@ -21,13 +21,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_eagle.aux_layers import resolve_default_aux_layer_ids
+from lightning_eagle.aux_layers import AUX_STREAMS, resolve_default_aux_layer_ids
 from lightning_eagle.aux_layers import validate_aux_layer_ids as validate_taps
+from lightning_eagle.settings import check_mla_heads_and_widths
 
 NUM_AUX_HIDDEN_STATES = 3  # EAGLE-3 taps three target layers (fixed)
 DEFAULT_DRAFT_VOCAB_SIZE = 32000
-DEFAULT_TTT_STEPS, DEFAULT_STEP_DECAY = 7, 0.8  # K and the step-weight decay: the module and the config share them
-AUX_STREAMS = ("prefix", "mixed")
+# Training settings that checkpoints and exports written before they left the draft config stored among its fields.
+TRAINING_SETTINGS = ("ttt_steps", "step_decay")
 ARCHITECTURES = ("k3", "deepseek_mla")
 DEFAULT_ROPE_THETA = 10000.0  # every engine's default base (vLLM's Eagle3 head falls back to it, see serving_format)
 
@@ -66,7 +67,8 @@ DEEPSEEK_MLA_LAYER_VALUES = {
 
 @dataclass
 class Eagle3DraftConfig:
-    """Everything needed to build, train and export one :class:`~lightning_eagle.draft.KimiK3Eagle3Draft`.
+    """The architecture of one :class:`~lightning_eagle.draft.KimiK3Eagle3Draft`: what builds it, what its export
+    describes. How it is trained (``ttt_steps``, ``step_decay``, loss options) is the training code's business.
 
     ``vocab_size`` is the *target* vocabulary V; ``draft_vocab_size`` is N_d (``None`` → V, the identity map).
     ``aux_layer_ids`` / ``aux_hidden_state_stream`` record which target features the draft was trained on; they are
@@ -103,8 +105,6 @@ class Eagle3DraftConfig:
     freeze_embeddings: bool = True
     aux_layer_ids: list[int] | None = None
     aux_hidden_state_stream: str | None = None
-    ttt_steps: int = DEFAULT_TTT_STEPS
-    step_decay: float = DEFAULT_STEP_DECAY
     bos_token_id: int | None = 163584
     eos_token_id: int | None = 163586
     pad_token_id: int | None = 163839
@@ -143,40 +143,17 @@ class Eagle3DraftConfig:
         """Raise ``ValueError`` for a draft this library cannot build (§3.6 messages first)."""
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
-        if self.num_key_value_heads != self.num_attention_heads:
-            raise ValueError(
-                f"the K3 draft's MLA has one K/V head per query head (no GQA): num_key_value_heads "
-                f"({self.num_key_value_heads}) must equal num_attention_heads ({self.num_attention_heads})"
-            )
+        positive = ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
+                    "intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size")  # fmt: skip
+        check_mla_heads_and_widths(self, "the K3 draft's MLA", positive)
         if self.architecture == "k3":
             self._validate_k3_layer()
         else:
             self._validate_deepseek_mla_layer()
-        for name in (
-            "hidden_size",
-            "num_attention_heads",
-            "kv_lora_rank",
-            "qk_nope_head_dim",
-            "v_head_dim",
-            "intermediate_size",
-            "vocab_size",
-            "draft_vocab_size",
-            "target_hidden_size",
-            "ttt_steps",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 0:
-            raise ValueError(f"qk_rope_head_dim must be a non-negative int, got {self.qk_rope_head_dim!r}")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1):
-            raise ValueError(f"q_lora_rank must be a positive int or null, got {self.q_lora_rank!r}")
         if self.num_aux_hidden_states != NUM_AUX_HIDDEN_STATES:
             raise ValueError(
                 f"EAGLE-3 uses {NUM_AUX_HIDDEN_STATES} aux hidden states, got {self.num_aux_hidden_states}"
             )
-        if not 0.0 < self.step_decay <= 1.0:
-            raise ValueError(f"step_decay must be in (0, 1], got {self.step_decay!r}")
         if self.aux_hidden_state_stream is not None and self.aux_hidden_state_stream not in AUX_STREAMS:
             raise ValueError(
                 f"aux_hidden_state_stream must be one of {AUX_STREAMS}, got {self.aux_hidden_state_stream!r}"
@@ -231,7 +208,9 @@ class Eagle3DraftConfig:
         text = getattr(target_config, "text_config", None) or target_config
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise TypeError(f"unknown Eagle3DraftConfig fields: {sorted(unknown)}")
+            moved = sorted(unknown & set(TRAINING_SETTINGS))
+            why = f" ({', '.join(moved)}: training settings, not architecture; pass them to the training code)"
+            raise TypeError(f"unknown Eagle3DraftConfig fields: {sorted(unknown)}" + (why if moved else ""))
         values: dict[str, Any] = {}
         for name in FIELDS_FROM_TARGET:
             value = getattr(text, name, None)
@@ -260,9 +239,10 @@ class Eagle3DraftConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], strict: bool = False) -> Eagle3DraftConfig:
-        """Build from :meth:`to_dict` output or a draft ``config.json`` (foreign keys ignored unless ``strict``)."""
+        """Build from :meth:`to_dict` output or a draft ``config.json`` (foreign keys ignored unless ``strict``; the
+        training settings older checkpoints and exports recorded here are always skipped)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
+        unknown = set(data) - names - set(TRAINING_SETTINGS)
         if strict and unknown:
             raise ValueError(f"unknown Eagle3DraftConfig fields: {sorted(unknown)}")
         return cls(**{k: v for k, v in data.items() if k in names})

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_eagle.draft.config import Eagle3DraftConfig
-from lightning_eagle.draft.model import Eagle3DecoderLayer, KimiK3Eagle3Draft
+from lightning_eagle.draft.model import Eagle3DecoderLayer, KimiK3Eagle3Draft, register_draft_architecture
 from lightning_eagle.ops.rotary import InterleavedRotary, attention_scale
 
 
@@ -144,10 +144,11 @@ class DeepseekMLAEagle3Layer(Eagle3DecoderLayer):
         return self.self_attn.o_proj(o)
 
 
+@register_draft_architecture
 class DeepseekMLAEagle3Draft(KimiK3Eagle3Draft):
     """EAGLE-3 draft for the K3 target with the DeepSeek MLA layer that SGLang / vLLM serve
     (``Eagle3DeepseekV2ForCausalLM``). Same frame, training path, TTT backends and inference as the K3-faithful
-    draft; built by ``KimiK3Eagle3Draft(config)`` when ``config.architecture == "deepseek_mla"``."""
+    draft; built by :func:`~lightning_eagle.draft.build_draft` when ``config.architecture == "deepseek_mla"``."""
 
     architecture = "deepseek_mla"
     layer_class = DeepseekMLAEagle3Layer

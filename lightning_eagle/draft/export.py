@@ -26,12 +26,13 @@ from safetensors.torch import save_file
 from lightning_eagle.atomic import atomic_dir, weights_folder_problem
 from lightning_eagle.checkpoint_io import load_checkpoint_file
 from lightning_eagle.draft import serving_format as fmt
-from lightning_eagle.draft.config import Eagle3DraftConfig
+from lightning_eagle.draft.config import TRAINING_SETTINGS, Eagle3DraftConfig
 from lightning_eagle.draft.model import KimiK3Eagle3Draft
 from lightning_eagle.draft.pretrained import check_export
 
 # Key under which a training checkpoint stores ``Eagle3DraftConfig.to_dict()`` (the module's on_save_checkpoint).
 CHECKPOINT_CONFIG_KEY = "eagle_draft_config"
+CHECKPOINT_TRAINING_KEY = "eagle_training_settings"  # ttt_steps / step_decay: written into the export as metadata
 _STRIP = ("_orig_mod.", "module.")
 
 
@@ -46,6 +47,7 @@ def export_draft(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
     architecture: str | None = None,
+    training: dict[str, Any] | None = None,
 ) -> Path:
     """Export ``source`` to ``out_dir`` and return the folder.
 
@@ -55,8 +57,10 @@ def export_draft(
     floating tensors (e.g. ``torch.bfloat16``; None = as trained for the K3 format, bf16 for the engine format, the
     dtype engines serve drafts in); ``d2t``/``t2d`` keep int64/bool. ``architecture`` (None = the draft's own) is
     checked, never rewritten: asking for an engine name with a K3-faithful draft raises ``ValueError``.
+    ``training`` (``ttt_steps``, ``step_decay``) is recorded as metadata; a checkpoint brings its own.
     """
-    state, config = _resolve_source(source, config)
+    state, config, recorded = _resolve_source(source, config)
+    training = recorded if training is None else training
     fmt.check_architecture_name(config, architecture)
     changes = {}
     if aux_layer_ids is not None:
@@ -76,7 +80,7 @@ def export_draft(
     if config.aux_layer_ids is not None:  # None: config_to_json refuses with the reason
         state, config = fmt.to_engine_aux_order(state, config)  # both formats are served by vLLM, which sorts ids
     torch_dtype = fmt.check_state(state, config, include_embeddings)
-    config_json = fmt.config_to_json(config, torch_dtype)
+    config_json = fmt.config_to_json(config, torch_dtype, training)
     # safetensors refuses shared / non-contiguous storage; a detached contiguous CPU copy of each tensor is safe.
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in fmt.to_serving_names(state, config).items()}
     return _atomic_write(Path(out_dir), tensors, config_json, overwrite)
@@ -98,10 +102,11 @@ def _atomic_write(out_dir: Path, tensors: dict[str, torch.Tensor], config_json: 
 
 
 # ---- sources ---------------------------------------------------------------------------------------------------------
-def _resolve_source(source: Any, config: Eagle3DraftConfig | None) -> tuple[dict[str, torch.Tensor], Eagle3DraftConfig]:
+def _resolve_source(source: Any, config: Eagle3DraftConfig | None) -> tuple[dict, Eagle3DraftConfig, dict | None]:
+    """``(draft state, config, training settings or None)`` of a draft, a checkpoint dict, file or DCP folder."""
     draft = getattr(source, "draft", source)
     if isinstance(draft, KimiK3Eagle3Draft):
-        return dict(draft.state_dict()), config or draft.config
+        return dict(draft.state_dict()), config or draft.config, None
     if isinstance(source, dict):
         return _from_checkpoint_dict(source, config)
     path = Path(source)
@@ -121,9 +126,11 @@ def _load_dcp(folder: Path) -> dict:
         return torch.load(target, map_location="cpu", weights_only=False)
 
 
-def _from_checkpoint_dict(ckpt: dict, config: Eagle3DraftConfig | None) -> tuple[dict, Eagle3DraftConfig]:
+def _from_checkpoint_dict(ckpt: dict, config: Eagle3DraftConfig | None) -> tuple[dict, Eagle3DraftConfig, dict | None]:
+    data = ckpt.get(CHECKPOINT_CONFIG_KEY)
+    # Checkpoints written before the training settings left the draft config hold them inside it.
+    training = ckpt.get(CHECKPOINT_TRAINING_KEY) or {k: data[k] for k in TRAINING_SETTINGS if k in (data or {})}
     if config is None:
-        data = ckpt.get(CHECKPOINT_CONFIG_KEY)
         if data is None:
             raise ValueError(
                 f"the checkpoint has no {CHECKPOINT_CONFIG_KEY!r} entry; "
@@ -131,7 +138,7 @@ def _from_checkpoint_dict(ckpt: dict, config: Eagle3DraftConfig | None) -> tuple
             )
         config = Eagle3DraftConfig.from_dict(data)
     state = ckpt.get("state_dict", ckpt)
-    return draft_state_from_trainer_state(state), config
+    return draft_state_from_trainer_state(state), config, training or None
 
 
 def draft_state_from_trainer_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -11,13 +11,16 @@ draft names the layer ``layers.0.``).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from lightning_eagle.draft.cache import TTTCache
 from lightning_eagle.draft.config import Eagle3DraftConfig
+from lightning_eagle.draft.pretrained import check_export
 from lightning_eagle.draft.ttt_attention import get_ttt_attention
 from lightning_eagle.ops.mla import NoPEMLA
 from lightning_eagle.ops.norm import K3RMSNorm
@@ -128,20 +131,15 @@ class KimiK3Eagle3Draft(nn.Module):
     One TTT step: ``h = draft.layer(ids, h, attention_mask, cache)``; ``z = draft.logits(h)``; the unroll lives in
     :func:`lightning_eagle.training.ttt_loss`.
 
-    ``KimiK3Eagle3Draft(config)`` builds the draft ``config.architecture`` names: the K3-faithful layer here, or a
-    :class:`~lightning_eagle.draft.deepseek_mla.DeepseekMLAEagle3Draft` (a subclass) for ``"deepseek_mla"``, so
-    every caller that builds the draft from a config (training module, checkpoint restore, ``from_pretrained``)
-    gets the right one. Subclasses set :attr:`architecture`, :attr:`layer_class` and :attr:`norm_class`.
+    :func:`build_draft` builds the class ``config.architecture`` names: this K3-faithful one, or a subclass such as
+    :class:`~lightning_eagle.draft.deepseek_mla.DeepseekMLAEagle3Draft` for ``"deepseek_mla"``. Subclasses set
+    :attr:`architecture`, :attr:`layer_class` and :attr:`norm_class` and register with
+    :func:`register_draft_architecture`.
     """
 
     architecture = "k3"
     layer_class: type[Eagle3DecoderLayer] = KimiK3Eagle3Layer
     norm_class: type[nn.Module] = K3RMSNorm
-
-    def __new__(cls, config: Eagle3DraftConfig | None = None, *args, **kwargs):
-        if cls is KimiK3Eagle3Draft and config is not None and config.architecture != cls.architecture:
-            cls = draft_class(config.architecture)
-        return super().__new__(cls)
 
     def __init__(self, config: Eagle3DraftConfig, attention_backend: str = "eager") -> None:
         super().__init__()
@@ -149,7 +147,8 @@ class KimiK3Eagle3Draft(nn.Module):
         if config.architecture != self.architecture:
             raise ValueError(
                 f"{type(self).__name__} builds architecture={self.architecture!r}, the config says "
-                f"{config.architecture!r}; build KimiK3Eagle3Draft(config) to get the matching class"
+                f"{config.architecture!r}; build it with lightning_eagle.draft.build_draft(config), which picks the "
+                "class"
             )
         self.config = config
         H, V, N_d = config.hidden_size, config.vocab_size, config.draft_vocab_size
@@ -291,24 +290,72 @@ class KimiK3Eagle3Draft(nn.Module):
         device: str | torch.device = "cpu",
         attention_backend: str = "eager",
     ) -> KimiK3Eagle3Draft:
-        """Load our export (``midlayer.*``) or a NeMo Automodel export (``model.layers.0.*``); see
-        :func:`lightning_eagle.draft.pretrained.load_pretrained`."""
-        from lightning_eagle.draft.pretrained import load_pretrained
+        """Load our export (``midlayer.*``), its engine format or a NeMo Automodel export (``model.layers.0.*``) as the
+        draft class ``config.json`` names (a ``deepseek_mla`` export gives a
+        :class:`~lightning_eagle.draft.deepseek_mla.DeepseekMLAEagle3Draft`), checked by
+        :func:`~lightning_eagle.draft.pretrained.check_export`.
 
-        return load_pretrained(
-            path, target_embedding=target_embedding, dtype=dtype, device=device, attention_backend=attention_backend
+        Tensors keep their stored dtype unless ``dtype`` is given. An export without ``embed_tokens.weight`` (frozen
+        embedding omitted, §14.1) needs the target's: pass ``target_embedding`` or call ``copy_embeddings_from``
+        later. Until then the embedding is NaN, which marks it missing: the inference entry points that also get the
+        target (``speculative_generate``, ``evaluate_acceptance``, ``DraftRunner(draft, target)``) fill it from the
+        target's, and anything else that uses it yields NaN instead of plausible garbage.
+        """
+        folder = Path(path)
+        config, state = check_export(folder)
+        has_embeddings = "embed_tokens.weight" in state
+        with torch.device("meta"):
+            draft = build_draft(config, attention_backend=attention_backend)
+        if not has_embeddings:
+            if target_embedding is not None:
+                if hasattr(target_embedding, "full_tensor"):
+                    target_embedding = target_embedding.full_tensor()
+                if tuple(target_embedding.shape) != (config.vocab_size, config.hidden_size):
+                    raise ValueError(
+                        f"target_embedding has shape {tuple(target_embedding.shape)}, the draft in {folder} needs "
+                        f"{(config.vocab_size, config.hidden_size)} (vocab_size, hidden_size)"
+                    )
+                # in the dtype asked for: a bf16 export served in fp32 shares the fp32 target table unrounded (as vLLM)
+                state["embed_tokens.weight"] = target_embedding.detach().to(dtype or state["fc.weight"].dtype).clone()
+            else:
+                warnings.warn(
+                    f"{folder} has no embed_tokens.weight (frozen embedding omitted); the draft's embedding is NaN "
+                    "until copy_embeddings_from(target embed_tokens.weight) is called",
+                    stacklevel=2,
+                )
+                shape = (config.vocab_size, config.hidden_size)
+                state["embed_tokens.weight"] = torch.full(shape, float("nan"), dtype=state["fc.weight"].dtype)
+        draft.load_state_dict(state, strict=True, assign=True)
+        if config.freeze_embeddings:
+            draft.freeze_embeddings()
+        if dtype is not None:
+            draft.to(dtype)
+        return draft.to(device)
+
+
+# The draft classes by ``config.architecture``: each class registers itself where it is defined (the package imports
+# them all), so building never imports a subclass's module from here.
+DRAFT_ARCHITECTURES: dict[str, type[KimiK3Eagle3Draft]] = {}
+
+
+def register_draft_architecture(cls: type[KimiK3Eagle3Draft]) -> type[KimiK3Eagle3Draft]:
+    """Class decorator: ``build_draft`` builds ``cls`` for configs whose ``architecture`` is ``cls.architecture``."""
+    DRAFT_ARCHITECTURES[cls.architecture] = cls
+    return cls
+
+
+def build_draft(config: Eagle3DraftConfig, attention_backend: str = "eager") -> KimiK3Eagle3Draft:
+    """The draft ``config.architecture`` names (``"k3"``: :class:`KimiK3Eagle3Draft`; ``"deepseek_mla"``:
+    :class:`~lightning_eagle.draft.deepseek_mla.DeepseekMLAEagle3Draft`), built in fp32 (or on the ambient device)."""
+    cls = DRAFT_ARCHITECTURES.get(config.architecture)
+    if cls is None:
+        raise ValueError(
+            f"unknown draft architecture {config.architecture!r}; choose one of {sorted(DRAFT_ARCHITECTURES)}"
         )
+    return cls(config, attention_backend=attention_backend)
 
 
-def draft_class(architecture: str) -> type[KimiK3Eagle3Draft]:
-    """The draft class of ``architecture`` (``"k3"`` or ``"deepseek_mla"``)."""
-    if architecture == "k3":
-        return KimiK3Eagle3Draft
-    if architecture == "deepseek_mla":
-        from lightning_eagle.draft.deepseek_mla import DeepseekMLAEagle3Draft  # imports this module
-
-        return DeepseekMLAEagle3Draft
-    raise ValueError(f"unknown draft architecture {architecture!r}; choose 'k3' or 'deepseek_mla'")
+register_draft_architecture(KimiK3Eagle3Draft)
 
 
 def validate_selected_token_ids(selected: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> None:

@@ -4,14 +4,14 @@
 
 Both single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``) folders are read. After the
 layout adapter, the state must pass the same strict key/shape/dtype check the exporter applies, then it is assigned to
-a draft built on the meta device (no wasted random init of a 2.6 B-parameter model).
+a draft built on the meta device (no wasted random init of a 2.6 B-parameter model) by
+:meth:`~lightning_eagle.draft.KimiK3Eagle3Draft.from_pretrained`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -21,7 +21,6 @@ from safetensors.torch import load_file
 from lightning_eagle.draft import reference_import
 from lightning_eagle.draft import serving_format as fmt
 from lightning_eagle.draft.config import Eagle3DraftConfig
-from lightning_eagle.draft.model import KimiK3Eagle3Draft
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -103,52 +102,3 @@ def check_export(path: str | os.PathLike) -> tuple[Eagle3DraftConfig, dict[str, 
         raise ValueError(f"{weights} does not match {config_file}: {err}") from None
 
     return config, state
-
-
-def load_pretrained(
-    path: str | os.PathLike,
-    *,
-    target_embedding: torch.Tensor | None = None,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device = "cpu",
-    attention_backend: str = "eager",
-) -> KimiK3Eagle3Draft:
-    """Build a :class:`KimiK3Eagle3Draft` from ``path`` (the class ``config.json`` names: a ``deepseek_mla`` export
-    gives a :class:`~lightning_eagle.draft.deepseek_mla.DeepseekMLAEagle3Draft`).
-
-    Tensors keep their stored dtype unless ``dtype`` is given. An export without ``embed_tokens.weight`` (frozen
-    embedding omitted, §14.1) needs the target's: pass ``target_embedding`` or call ``copy_embeddings_from`` later.
-    Until then the embedding is NaN, which marks it missing: the inference entry points that also get the target
-    (``speculative_generate``, ``evaluate_acceptance``, ``DraftRunner(draft, target)``) fill it from the target's, and
-    anything else that uses it yields NaN instead of plausible garbage.
-    """
-    folder = Path(path)
-    config, state = check_export(folder)
-    has_embeddings = "embed_tokens.weight" in state
-    with torch.device("meta"):
-        draft = KimiK3Eagle3Draft(config, attention_backend=attention_backend)
-    if not has_embeddings:
-        if target_embedding is not None:
-            if hasattr(target_embedding, "full_tensor"):
-                target_embedding = target_embedding.full_tensor()
-            if tuple(target_embedding.shape) != (config.vocab_size, config.hidden_size):
-                raise ValueError(
-                    f"target_embedding has shape {tuple(target_embedding.shape)}, the draft in {folder} needs "
-                    f"{(config.vocab_size, config.hidden_size)} (vocab_size, hidden_size)"
-                )
-            # in the dtype asked for: a bf16 export served in fp32 shares the fp32 target table, unrounded (vLLM does)
-            state["embed_tokens.weight"] = target_embedding.detach().to(dtype or state["fc.weight"].dtype).clone()
-        else:
-            warnings.warn(
-                f"{folder} has no embed_tokens.weight (frozen embedding omitted); the draft's embedding is NaN until "
-                "copy_embeddings_from(target embed_tokens.weight) is called",
-                stacklevel=3,
-            )
-            shape = (config.vocab_size, config.hidden_size)
-            state["embed_tokens.weight"] = torch.full(shape, float("nan"), dtype=state["fc.weight"].dtype)
-    draft.load_state_dict(state, strict=True, assign=True)
-    if config.freeze_embeddings:
-        draft.freeze_embeddings()
-    if dtype is not None:
-        draft.to(dtype)
-    return draft.to(device)

@@ -52,6 +52,7 @@ from lightning_eagle.draft.config import (
     DEFAULT_ROPE_THETA,
     FIELDS_FROM_TARGET,
     NUM_AUX_HIDDEN_STATES,
+    TRAINING_SETTINGS,
     Eagle3DraftConfig,
 )
 from lightning_eagle.draft.reference_import import sort_vocabulary
@@ -89,8 +90,6 @@ _PLAIN_FIELDS = (
     "norm_output",
     # project fields
     "aux_hidden_state_stream",
-    "step_decay",
-    "ttt_steps",
     "target_num_hidden_layers",
     "freeze_embeddings",
 )
@@ -190,8 +189,11 @@ def check_architecture_name(config: Eagle3DraftConfig, name: str | None) -> str:
     raise ValueError(f"a deepseek_mla draft is exported as {own!r} (what the engines load), not as {name!r}")
 
 
-def config_to_json(config: Eagle3DraftConfig, torch_dtype: torch.dtype) -> dict[str, Any]:
-    """The export's ``config.json`` (§14.2, or the engine format for deepseek_mla). Refuses a draft whose aux ids are
+def config_to_json(
+    config: Eagle3DraftConfig, torch_dtype: torch.dtype, training: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The export's ``config.json`` (§14.2, or the engine format for deepseek_mla), with the training settings the
+    draft was trained with (``ttt_steps``, ``step_decay``) as metadata when known. Refuses a draft whose aux ids are
     unknown: engines cannot serve it correctly."""
     if config.aux_layer_ids is None or config.aux_hidden_state_stream is None:
         raise ValueError(
@@ -199,8 +201,9 @@ def config_to_json(config: Eagle3DraftConfig, torch_dtype: torch.dtype) -> dict[
             "aux_hidden_state_stream are None, e.g. a draft imported from a reference export); pass aux_layer_ids= "
             "and aux_hidden_state_stream= to export_draft"
         )
+    metadata = {k: v for k, v in (training or {}).items() if k in TRAINING_SETTINGS}
     if config.architecture == "deepseek_mla":
-        return engine_config_to_json(config, torch_dtype)
+        return {**engine_config_to_json(config, torch_dtype), **metadata}
     check_ascending(config)
     if config.q_lora_rank is None:
         warnings.warn(
@@ -214,7 +217,7 @@ def config_to_json(config: Eagle3DraftConfig, torch_dtype: torch.dtype) -> dict[
     data["tie_word_embeddings"] = False
     data["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
     data.update(aux_fields(config))
-    return data
+    return {**data, **metadata}
 
 
 def aux_fields(config: Eagle3DraftConfig) -> dict[str, Any]:
@@ -287,8 +290,6 @@ _ENGINE_FIELDS = (
 # Ours only (engines ignore them): what the draft was trained on, for re-import and re-export.
 _ENGINE_PROJECT_FIELDS = (
     "aux_hidden_state_stream",
-    "step_decay",
-    "ttt_steps",
     "target_num_hidden_layers",
     "freeze_embeddings",
 )

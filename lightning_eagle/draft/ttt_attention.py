@@ -1,7 +1,8 @@
 """TTT attention at step k (`eagle3_training.md` §4.2, §8): queries of step k attend to the step-0 keys through the
 causal ∧ key-not-pad block, plus one diagonal column per cached later step (slot t sees its own keys of steps 1..k).
 
-Backends (a small registry; all take ``(q [B,n,T,d_qk], cache, scale)`` and return ``o [B,n,T,d_v]``):
+Backends (the setting ``attention_backend``, :data:`TTT_ATTENTION_BACKEND`; all take ``(q [B,n,T,d_qk], cache,
+scale)`` and return ``o [B,n,T,d_v]``):
 
 * ``"eager"`` — the readable twin and the reference's exact formulation: materialises the ``[B,n,T,T+k]`` scores and
   fp32 probabilities. Default; used by the golden test.
@@ -16,7 +17,7 @@ Backends (a small registry; all take ``(q [B,n,T,d_qk], cache, scale)`` and retu
 * ``"flex_attention"`` — the same concatenated keys through compiled ``flex_attention`` with a block mask: fully masked
   128×128 tiles are skipped, so step k costs about one causal block plus k diagonal tiles per query tile. CUDA is its
   home; torch 2.13 has no flex backward on CPU, so on CPU it runs forward-only (unfused) and refuses gradients.
-* ``"auto"`` — resolves per call from ``q.device`` through :func:`default_ttt_attention`.
+* ``"auto"`` — resolves per call from ``q.device`` through the registry's rule, :func:`default_ttt_attention`.
 
 Per-device rule (:func:`default_ttt_attention`): CUDA → ``flex_attention`` when Triton can compile it, else
 ``sdpa_mask``; any other device → ``flash_lse`` (the fused CPU flash kernel on CPU).
@@ -31,25 +32,41 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from lightning_eagle.backends import AUTO, BackendRegistry
 from lightning_eagle.draft.block_attention import accumulate_dtype, default_kernel
 from lightning_eagle.draft.cache import TTTCache
 
 TTTAttention = Callable[[torch.Tensor, TTTCache, float], torch.Tensor]
-_BACKENDS: dict[str, TTTAttention] = {}
+TTT_ATTENTION_BACKEND = BackendRegistry(
+    setting="attention_backend",
+    what="TTT attention backend",
+    names={
+        "eager": "[B,n,T,T+k] scores and fp32 probabilities: the readable twin, the reference's formulation",
+        "flash_lse": "LSE-returning causal block + k diagonal columns merged through the LSE: no [B,n,T,T+k]",
+        "sdpa_mask": "one SDPA call over the concatenated keys with a boolean mask (fused on CUDA)",
+        "flex_attention": "compiled flex_attention with a block mask: masked tiles skipped (CUDA; forward-only on CPU)",
+    },
+    # Looked up at call time, so the per-device rule has one home (and a test can swap it).
+    auto=lambda device: default_ttt_attention(device),
+)
+_KERNELS: dict[str, TTTAttention] = {}
 
 
-def register_ttt_attention(name: str, fn: TTTAttention) -> None:
-    _BACKENDS[name] = fn
+def register_ttt_attention(name: str, fn: TTTAttention, why: str = "registered by the user") -> None:
+    """Add (or replace) the backend ``name``; ``attention_backend: name`` then selects ``fn``."""
+    global TTT_ATTENTION_BACKEND
+    if name != AUTO and name not in TTT_ATTENTION_BACKEND.names:
+        TTT_ATTENTION_BACKEND = TTT_ATTENTION_BACKEND.with_backend(name, why)
+    _KERNELS[name] = fn
 
 
 def get_ttt_attention(name: str) -> TTTAttention:
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown TTT attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
-    return _BACKENDS[name]
+    """The attention function of backend ``name`` (``"auto"``: one that resolves per call from ``q.device``)."""
+    return _KERNELS[TTT_ATTENTION_BACKEND.check(name)]
 
 
 def ttt_attention_backends() -> list[str]:
-    return sorted(_BACKENDS)
+    return sorted(TTT_ATTENTION_BACKEND.choices)
 
 
 # ---- eager (the naive twin) ------------------------------------------------------------------------------------------
@@ -256,12 +273,16 @@ def default_ttt_attention(device: torch.device | str) -> str:
 
 
 def auto_ttt_attention(q: torch.Tensor, cache: TTTCache, scale: float) -> torch.Tensor:
-    """:func:`default_ttt_attention` of ``q.device``, resolved at call time (one config for CPU tests and GPU runs)."""
-    return get_ttt_attention(default_ttt_attention(q.device))(q, cache, scale)
+    """The backend ``"auto"`` resolves to on ``q.device``, at call time (one config for CPU tests and GPU runs)."""
+    return _KERNELS[TTT_ATTENTION_BACKEND.resolve(AUTO, q.device)](q, cache, scale)
 
 
-register_ttt_attention("eager", eager_ttt_attention)
-register_ttt_attention("flash_lse", flash_lse_ttt_attention)
-register_ttt_attention("sdpa_mask", sdpa_mask_ttt_attention)
-register_ttt_attention("flex_attention", flex_ttt_attention)
-register_ttt_attention("auto", auto_ttt_attention)
+_KERNELS.update(
+    {
+        "eager": eager_ttt_attention,
+        "flash_lse": flash_lse_ttt_attention,
+        "sdpa_mask": sdpa_mask_ttt_attention,
+        "flex_attention": flex_ttt_attention,
+        AUTO: auto_ttt_attention,
+    }
+)

@@ -33,7 +33,8 @@ from typing_extensions import override
 from lightning_eagle.atomic import remove_partials
 from lightning_eagle.data.dataset import collate_chat_rows
 from lightning_eagle.features import format as fmt
-from lightning_eagle.k3.capture import resolve_aux_layer_ids
+from lightning_eagle.k3.target_spec import TargetSpec
+from lightning_eagle.parallel.frozen_target import load_frozen_target
 
 
 class _RankSampler(DistributedSampler):
@@ -70,11 +71,13 @@ class _Batches(torch.utils.data.Dataset):
 class FeatureDumper(pl.LightningModule):
     """The frozen target (any supported layout) whose ``predict_step`` returns each row's features, unpadded.
 
-    Built from an :class:`~lightning_eagle.training.module.Eagle3Module` (its target, taps and dtypes) and the data
-    module whose rows are dumped.
+    Built from the run's :class:`~lightning_eagle.k3.target_spec.TargetSpec` (an ``Eagle3Module``'s ``target_spec``:
+    its checkpoint, taps, stream and dtypes) and the data module whose rows are dumped.
     """
 
-    def __init__(self, module, datamodule, out_dir: Path, *, dtype: str, hidden_states: str, shard_rows: int):
+    def __init__(
+        self, target_spec: TargetSpec, datamodule, out_dir: Path, *, dtype: str, hidden_states: str, shard_rows: int
+    ):
         super().__init__()
         if hidden_states not in fmt.HIDDEN_KINDS:
             raise ValueError(f"hidden_states must be one of {fmt.HIDDEN_KINDS}, got {hidden_states!r}")
@@ -82,17 +85,11 @@ class FeatureDumper(pl.LightningModule):
             raise ValueError(f"dump dtype must be one of {sorted(fmt.DTYPES)}, got {dtype!r}")
         if shard_rows < 1:
             raise ValueError(f"shard_rows must be positive, got {shard_rows}")
-        # Plain attributes, not the Eagle3Module itself (it would become a submodule of this one).
-        self.target_path, self.target_config = module.target_path, module.target_config
-        self.target_options = {
-            "dtype": module.hparams.target_dtype,
-            "expert_storage": module.hparams.target_expert_storage,
-        }
-        self.aux_stream = module.hparams.aux_stream
+        self.target_spec = target_spec
+        self.target_path, self.target_config = target_spec.path, target_spec.config
+        self.aux_stream, self.aux_ids = target_spec.aux_stream, list(target_spec.aux_layer_ids)
         self.data, self.out_dir = datamodule, Path(out_dir)
         self.dtype_name, self.hidden_kind, self.shard_rows = dtype, hidden_states, shard_rows
-        self.num_layers = module.target_config.num_hidden_layers
-        self.aux_ids = resolve_aux_layer_ids(module.hparams.aux_layer_ids, self.num_layers)
         self.target = None
         self.rows: list[dict[str, torch.Tensor]] = []
         self.plan: dict[str, Any] = {}
@@ -206,11 +203,7 @@ class FeatureDumper(pl.LightningModule):
     @override
     def configure_model(self) -> None:
         if self.target is None:
-            from lightning_eagle.training.module import load_frozen_target
-
-            self.target = load_frozen_target(
-                self, self.target_path, self.target_config.num_experts, **self.target_options
-            )
+            self.target = load_frozen_target(self, self.target_spec)
 
     @override
     def on_predict_start(self) -> None:
@@ -295,11 +288,13 @@ def _chunks(items: list[int], size: int) -> list[list[int]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def dump_features(module, datamodule, out_dir, trainer: pl.Trainer, *, dtype: str = "bfloat16",
+def dump_features(target_spec: TargetSpec, datamodule, out_dir, trainer: pl.Trainer, *, dtype: str = "bfloat16",
                   hidden_states: str = "prenorm", shard_rows: int = 256) -> Path:  # fmt: skip
-    """Dump ``datamodule``'s rows through ``module``'s target (an ``Eagle3Module``) with ``trainer``'s layout;
-    what ``cli.py dump`` runs. Returns the features folder (complete: ``manifest.json`` written)."""
-    dumper = FeatureDumper(module, datamodule, Path(out_dir), dtype=dtype, hidden_states=hidden_states,
+    """Dump ``datamodule``'s rows through the target ``target_spec`` names (e.g. ``Eagle3Module(...).target_spec``)
+    with ``trainer``'s layout; what ``cli.py dump`` runs. Returns the features folder (``manifest.json`` written)."""
+    if not isinstance(target_spec, TargetSpec):
+        raise TypeError(f"dump_features takes a TargetSpec (e.g. module.target_spec), got {type(target_spec).__name__}")
+    dumper = FeatureDumper(target_spec, datamodule, Path(out_dir), dtype=dtype, hidden_states=hidden_states,
                            shard_rows=shard_rows)  # fmt: skip
     trainer.callbacks.append(FeatureShardWriter(dumper))
     with warnings.catch_warnings():  # our batches carry their own row ids; Lightning's index tracking does not apply

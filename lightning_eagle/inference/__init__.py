@@ -2,42 +2,45 @@
 
 Public API (stable): :func:`speculative_generate`, :func:`evaluate_acceptance`. Building blocks for notebooks and
 research: :class:`IncrementalTarget` (prefill/extend/rollback), :class:`DraftRunner`, :func:`plain_generate`,
-:class:`AcceptanceReport`; the Lightning :class:`AcceptanceCallback` (logs ``val/tau_real``) is imported lazily.
+:class:`AcceptanceReport`; the Lightning :class:`AcceptanceCallback` (logs ``val/tau_real``). Every name is
+imported on first use.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib
+from typing import TYPE_CHECKING
 
-from lightning_eagle.inference.acceptance import AcceptanceReport, evaluate_acceptance
-from lightning_eagle.inference.aux_ids import resolve_inference_aux
-from lightning_eagle.inference.draft_runner import DraftProposal, DraftRunner
-from lightning_eagle.inference.incremental_target import IncrementalTarget, TargetStep
-from lightning_eagle.inference.plain import PlainOutput, plain_generate
-from lightning_eagle.inference.speculative import SpeculativeOutput, speculative_generate
+# Lazy: `import lightning_eagle.inference` (and the moved `python -m lightning_eagle.inference`) loads no model code
+# and no Lightning until a name is used.
+_EXPORTS = {
+    "AcceptanceCallback": "lightning_eagle.inference.callback",
+    "AcceptanceReport": "lightning_eagle.inference.acceptance",
+    "evaluate_acceptance": "lightning_eagle.inference.acceptance",
+    "resolve_inference_aux": "lightning_eagle.inference.aux_ids",
+    "DraftProposal": "lightning_eagle.inference.draft_runner",
+    "DraftRunner": "lightning_eagle.inference.draft_runner",
+    "IncrementalTarget": "lightning_eagle.inference.incremental_target",
+    "TargetStep": "lightning_eagle.inference.incremental_target",
+    "PlainOutput": "lightning_eagle.inference.plain",
+    "plain_generate": "lightning_eagle.inference.plain",
+    "SpeculativeOutput": "lightning_eagle.inference.speculative",
+    "speculative_generate": "lightning_eagle.inference.speculative",
+}
 
-if TYPE_CHECKING:
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover — what IDEs and type checkers see; keep it equal to _EXPORTS
+    from lightning_eagle.inference.acceptance import AcceptanceReport, evaluate_acceptance
+    from lightning_eagle.inference.aux_ids import resolve_inference_aux
     from lightning_eagle.inference.callback import AcceptanceCallback
-
-__all__ = [
-    "AcceptanceCallback",
-    "AcceptanceReport",
-    "DraftProposal",
-    "DraftRunner",
-    "IncrementalTarget",
-    "PlainOutput",
-    "SpeculativeOutput",
-    "TargetStep",
-    "evaluate_acceptance",
-    "plain_generate",
-    "resolve_inference_aux",
-    "speculative_generate",
-]
+    from lightning_eagle.inference.draft_runner import DraftProposal, DraftRunner
+    from lightning_eagle.inference.incremental_target import IncrementalTarget, TargetStep
+    from lightning_eagle.inference.plain import PlainOutput, plain_generate
+    from lightning_eagle.inference.speculative import SpeculativeOutput, speculative_generate
 
 
-def __getattr__(name: str) -> Any:
-    if name == "AcceptanceCallback":  # keeps `import lightning_eagle.inference` free of Lightning
-        from lightning_eagle.inference.callback import AcceptanceCallback
-
-        return AcceptanceCallback
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

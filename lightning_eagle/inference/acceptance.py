@@ -31,11 +31,13 @@ import torch
 
 from lightning_eagle.data.prompts import resolve_prompts
 from lightning_eagle.inference.plain import plain_generate
-from lightning_eagle.inference.speculative import speculative_generate
+from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS, VerificationRounds, speculative_generate
 
 
 @dataclass
-class AcceptanceReport:
+class AcceptanceReport(VerificationRounds):
+    """All verification rounds of all prompts pooled, with the timings of both decodings (module docstring)."""
+
     num_prompts: int
     num_draft_tokens: int
     temperature: float
@@ -50,16 +52,6 @@ class AcceptanceReport:
     plain_seconds: float | None = None
     plain_target_forwards: int | None = None
     greedy_mismatches: int | None = None
-
-    @property
-    def num_rounds(self) -> int:
-        return len(self.accepted_per_round)
-
-    @property
-    def tau(self) -> float:
-        if not self.accepted_per_round:
-            return float("nan")
-        return 1.0 + sum(self.accepted_per_round) / self.num_rounds
 
     @property
     def acceptance_at_least(self) -> list[float]:
@@ -170,7 +162,7 @@ def evaluate_acceptance(
     tokenizer=None,
     num_prompts: int = 16,
     max_new_tokens: int = 64,
-    num_draft_tokens: int | None = None,
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
     temperature: float = 0.0,
     seed: int = 0,
     aux_layer_ids: list[int] | None = None,
@@ -186,14 +178,18 @@ def evaluate_acceptance(
         data: None = held-out chats of the bundled corpus; a JSONL/JSON chat file; a ``ChatDataModule`` (its
             validation split); a list of chats; or a list of token-id prompts.
         tokenizer: for chats (default: the synthetic K3 tokenizer; a path or ``KimiTokenizer`` for real data).
-        num_draft_tokens: K (default: the draft's ``ttt_steps``).
+        num_draft_tokens: K, tokens drafted per round (default ``DEFAULT_NUM_DRAFT_TOKENS`` = 7; pass the
+            ``model.ttt_steps`` the draft was trained with: the draft's config records only its architecture).
         stop_token_ids: ``"eos"`` = the target's ``eos_token_id`` (K3's ``<|end_of_msg|>``), None = never stop.
         compare_plain: also decode every prompt with the target alone (throughput baseline; at temperature 0 also a
             losslessness check).
         warmup: one short untimed run first (allocator / first-call costs are not decoding speed).
         thinking / thinking_effort: render options for chats (as in training).
     """
-    K = num_draft_tokens if num_draft_tokens is not None else int(getattr(draft.config, "ttt_steps", 7))
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
+        # None once meant "the draft config's ttt_steps"; the draft config now records only the architecture.
+        raise TypeError(f"num_draft_tokens must be an int (K tokens drafted per round), got {num_draft_tokens!r}")
+    K = num_draft_tokens
     render_options = {"thinking": thinking, "thinking_effort": thinking_effort}
     prompts = resolve_prompts(data, tokenizer, num_prompts, render_options)[:num_prompts]
     if not prompts:

@@ -11,7 +11,7 @@ The stream is the draft's recorded ``aux_hidden_state_stream`` (``"prefix"`` whe
 
 from __future__ import annotations
 
-from lightning_eagle.k3.capture import resolve_aux_layer_ids, validate_aux_layer_ids
+from lightning_eagle.aux_layers import resolve_aux_layer_ids, validate_aux_layer_ids
 
 
 def resolve_inference_aux(target, draft_config, aux_layer_ids: list[int] | None = None) -> tuple[list[int], str]:

@@ -20,6 +20,7 @@ YAML::
 from __future__ import annotations
 
 import logging
+from typing import Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -31,12 +32,33 @@ from lightning_eagle.inference.acceptance import evaluate_acceptance
 log = logging.getLogger(__name__)
 
 
+@runtime_checkable
+class UnrollsDraftSteps(Protocol):
+    """A training module that says how many draft steps it unrolls (``Eagle3Module``: ``model.ttt_steps``): the K
+    the callback drafts per round unless it is given one."""
+
+    @property
+    def ttt_steps(self) -> int: ...
+
+
+def draft_steps(pl_module: pl.LightningModule, num_draft_tokens: int | None) -> int:
+    """K for one acceptance run: the callback's own setting, else the module's training unroll."""
+    if num_draft_tokens is not None:
+        return num_draft_tokens
+    if isinstance(pl_module, UnrollsDraftSteps):
+        return pl_module.ttt_steps
+    raise TypeError(
+        f"AcceptanceCallback(num_draft_tokens=None) drafts the module's ttt_steps, but {type(pl_module).__name__} "
+        "has no ttt_steps; pass num_draft_tokens"
+    )
+
+
 class AcceptanceCallback(pl.Callback):
     """Args:
     every_n_epochs: run at the end of validation in epochs divisible by this (all validation runs of such an
         epoch, e.g. with ``val_check_interval``).
     num_prompts / max_new_tokens: prompts per run and tokens generated per prompt.
-    num_draft_tokens: K (default: the draft's ``ttt_steps``).
+    num_draft_tokens: K (default: the module's ``ttt_steps``, see :class:`UnrollsDraftSteps`).
     temperature: 0 = greedy (default; deterministic, comparable across runs).
     prompts_file: a JSONL/JSON chat file to take prompts from instead of the validation rows (rendered with the
         data module's tokenizer and render options when there is one).
@@ -113,7 +135,7 @@ class AcceptanceCallback(pl.Callback):
                 prompts,
                 num_prompts=self.num_prompts,
                 max_new_tokens=self.max_new_tokens,
-                num_draft_tokens=self.num_draft_tokens,
+                num_draft_tokens=draft_steps(pl_module, self.num_draft_tokens),
                 temperature=self.temperature,
                 seed=self.seed,
                 aux_layer_ids=draft_config.aux_layer_ids,

@@ -91,7 +91,8 @@ def _softmax_attend(q, keys, values, scale, mask=None) -> torch.Tensor:
 
 def ensure_draft_embedding(draft, target=None) -> None:
     """Never draft with a missing embedding. The draft's (frozen) embedding *is* the target's, so the serving export
-    omits it (§14.1) and ``load_pretrained`` leaves it NaN; fill it from ``target``'s ``embed_tokens.weight`` in place.
+    omits it (§14.1) and ``KimiK3Eagle3Draft.from_pretrained`` leaves it NaN; fill it from ``target``'s
+    ``embed_tokens.weight`` in place.
 
     Raises ``ValueError`` when it is not finite and cannot be filled: no target, shapes that differ, or an embedding
     the draft trained (``freeze_embeddings`` false), for which the target's is no substitute.

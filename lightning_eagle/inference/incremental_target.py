@@ -21,8 +21,9 @@ from functools import partial
 
 import torch
 
+from lightning_eagle.aux_layers import validate_aux_layer_ids
 from lightning_eagle.inference.target_cache import KDALayerCache, MLALayerCache, kda_extend
-from lightning_eagle.k3.capture import aux_taps, check_aux_stream, stack_taps, validate_aux_layer_ids
+from lightning_eagle.k3.capture import aux_taps, check_aux_stream, stack_taps
 
 
 @dataclass

@@ -32,18 +32,19 @@ from lightning_eagle.inference.aux_ids import check_draft_fits_target, resolve_i
 from lightning_eagle.inference.draft_runner import DraftRunner
 from lightning_eagle.inference.incremental_target import IncrementalTarget
 from lightning_eagle.inference.sampling import draft_probs_to_target, greedy_verify, pick_token, rejection_verify
+from lightning_eagle.settings import DEFAULT_TTT_STEPS
+
+# K when the caller does not choose one. The draft's config records only its architecture, not the unroll it was
+# trained with: the training default (`model.ttt_steps`), inside the 3-8 tokens engines draft.
+DEFAULT_NUM_DRAFT_TOKENS = DEFAULT_TTT_STEPS
 
 
-@dataclass
-class SpeculativeOutput:
-    tokens: list[int]  # new tokens only
-    accepted_per_round: list[int]  # accepted draft tokens per verification round (0..K)
-    num_draft_tokens: int
-    target_forwards: int = 0  # prefill + one per round
-    seconds: float = 0.0  # wall time of the whole call
-    target_seconds: float = 0.0  # time in target forwards (prefill, verification) and rollbacks
-    draft_seconds: float = 0.0  # time in draft extend/propose
-    stopped: bool = False  # ended on a stop token
+class VerificationRounds:
+    """What follows from ``accepted_per_round`` (accepted drafts per verification round, 0..K): the number of rounds
+    and τ. One home for one generation (:class:`SpeculativeOutput`) and for pooled prompts
+    (:class:`~lightning_eagle.inference.acceptance.AcceptanceReport`)."""
+
+    accepted_per_round: list[int]
 
     @property
     def num_rounds(self) -> int:
@@ -54,7 +55,21 @@ class SpeculativeOutput:
         """Mean tokens per verification forward, ``mean(a + 1)`` (nan without a round)."""
         if not self.accepted_per_round:
             return float("nan")
-        return 1.0 + sum(self.accepted_per_round) / len(self.accepted_per_round)
+        return 1.0 + sum(self.accepted_per_round) / self.num_rounds
+
+
+@dataclass
+class SpeculativeOutput(VerificationRounds):
+    """One prompt's speculative decoding: the new tokens, each round's outcome and where the time went."""
+
+    tokens: list[int]  # new tokens only
+    accepted_per_round: list[int]  # accepted draft tokens per verification round (0..K)
+    num_draft_tokens: int
+    target_forwards: int = 0  # prefill + one per round
+    seconds: float = 0.0  # wall time of the whole call
+    target_seconds: float = 0.0  # time in target forwards (prefill, verification) and rollbacks
+    draft_seconds: float = 0.0  # time in draft extend/propose
+    stopped: bool = False  # ended on a stop token
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -103,7 +118,7 @@ def speculative_generate(
     draft,
     prompt_ids,
     max_new_tokens: int = 64,
-    num_draft_tokens: int = 7,
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
     temperature: float = 0.0,
     seed: int | None = None,
     aux_layer_ids: list[int] | None = None,

@@ -1,6 +1,7 @@
 """The frozen Kimi K3 target: config, modules, checkpoint loader and EAGLE-3 capture."""
 
-from lightning_eagle.k3.capture import CaptureOutput, resolve_aux_layer_ids, validate_aux_layer_ids
+from lightning_eagle.aux_layers import resolve_aux_layer_ids, validate_aux_layer_ids
+from lightning_eagle.k3.capture import CaptureOutput
 from lightning_eagle.k3.config import KimiK3Config, KimiK3TextConfig, text_config_from_dict
 from lightning_eagle.k3.loader import CheckpointError
 from lightning_eagle.k3.model import KimiK3ForCausalLM

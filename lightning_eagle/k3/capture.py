@@ -14,9 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_eagle.aux_layers import validate_aux_layer_ids
-
-AUX_STREAMS = ("prefix", "mixed")
+from lightning_eagle.aux_layers import AUX_STREAMS, resolve_aux_layer_ids
 
 
 @dataclass
@@ -25,22 +23,6 @@ class CaptureOutput:
     final_hidden: torch.Tensor  # [B,T,H], output of the final norm
     logits: torch.Tensor | None = None
     final_prenorm: torch.Tensor | None = None  # [B,T,H], input of the final norm (if asked)
-
-
-def resolve_aux_layer_ids(aux_layer_ids, num_hidden_layers: int) -> list[int]:
-    """Explicit ids are validated; None means the default ``[1, L//2 − 1, L − 4]``, which collides or goes out of
-    range on very shallow targets — then the user must pass ids."""
-    if aux_layer_ids is not None:
-        return validate_aux_layer_ids(aux_layer_ids, num_hidden_layers)
-    L = num_hidden_layers
-    default = [1, L // 2 - 1, L - 4]
-    try:
-        return validate_aux_layer_ids(default, L)
-    except ValueError as err:
-        raise ValueError(
-            f"the default EAGLE-3 aux_layer_ids [1, L//2-1, L-4] = {default} are invalid for a {L}-layer target "
-            f"({err}); pass aux_layer_ids explicitly (e.g. [1, {max(L // 2, 2)}, {L - 1}] for k3-tiny: [1, 3, 5])"
-        ) from None
 
 
 def check_aux_stream(aux_stream: str) -> None:

@@ -12,9 +12,21 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig
 
 from lightning_eagle.aux_layers import default_aux_layer_ids
+from lightning_eagle.settings import check_mla_heads_and_widths
+from lightning_eagle.text_config import text_config_of
 
 SUPPORTED_ACTIVATIONS = ("situ",)
 MXFP4_GROUP = 32
+POSITIVE_INT_FIELDS = (
+    "hidden_size",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "moe_intermediate_size",
+)
 
 
 def default_full_attn_layers(num_layers: int) -> list[int]:
@@ -207,28 +219,7 @@ class KimiK3TextConfig(PretrainedConfig):
             raise ValueError(f"unknown hidden_act {self.hidden_act!r}; K3 uses one of {SUPPORTED_ACTIVATIONS}")
         if not self.mla_use_nope:
             raise ValueError("mla_use_nope=False is not K3: its MLA never rotates the rope slice (NoPE)")
-        if self.num_key_value_heads != self.num_attention_heads:
-            raise ValueError(
-                f"MLA has one K/V head per query head: num_key_value_heads ({self.num_key_value_heads}) must equal "
-                f"num_attention_heads ({self.num_attention_heads})"
-            )
-        for name in (
-            "hidden_size",
-            "num_attention_heads",
-            "kv_lora_rank",
-            "qk_nope_head_dim",
-            "v_head_dim",
-            "intermediate_size",
-            "vocab_size",
-            "moe_intermediate_size",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 0:
-            raise ValueError(f"qk_rope_head_dim must be a non-negative int, got {self.qk_rope_head_dim!r}")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1):
-            raise ValueError(f"q_lora_rank must be a positive int or null, got {self.q_lora_rank!r}")
+        check_mla_heads_and_widths(self, "K3's MLA", POSITIVE_INT_FIELDS)
         lac = self.linear_attn_config
         for name in ("num_heads", "head_dim", "short_conv_kernel_size"):
             if not isinstance(lac.get(name), int) or lac[name] < 1:
@@ -291,15 +282,7 @@ class KimiK3Config(PretrainedConfig):
         if text_config is None:
             text_config = KimiK3TextConfig()
         elif isinstance(text_config, dict):
-            data = dict(text_config)
-            # Outer token ids win where the text config has none (the reference's text defaults are wrong).
-            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-                if data.get(key) is None and kwargs.get(key) is not None:
-                    data[key] = kwargs[key]
-            model_type = data.pop("model_type", "kimi_linear")
-            if model_type != "kimi_linear":
-                raise ValueError(f"text_config.model_type must be 'kimi_linear', got {model_type!r}")
-            text_config = KimiK3TextConfig(**_init_kwargs(data))
+            text_config = _text_config(text_config, kwargs, "text_config.")
         self.text_config = text_config
         self.vision_config = vision_config
         kwargs.setdefault("bos_token_id", 163584)
@@ -318,21 +301,25 @@ def _init_kwargs(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def text_config_from_dict(data: dict[str, Any], source: str = "config") -> KimiK3TextConfig:
-    """Accept an outer ``kimi_k3`` config dict or a bare ``kimi_linear`` text config dict.
+    """Accept an outer ``kimi_k3`` config dict (or a VLM's ``llm_config``) or a bare ``kimi_linear`` text config dict.
 
     Dispatch is on the *text* ``model_type`` (``kimi_linear``); ``kimi_k3`` only marks the wrapper.
     Unknown keys (reference runtime knobs) are kept as plain attributes and otherwise ignored.
     """
-    if "text_config" in data:
-        outer = data
-        data = dict(outer["text_config"])
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if data.get(key) is None and outer.get(key) is not None:
-                data[key] = outer[key]
+    return _text_config(text_config_of(data), data, f"{source}: text ")
+
+
+def _text_config(text: dict[str, Any], outer: dict[str, Any], where: str) -> KimiK3TextConfig:
+    """``KimiK3TextConfig`` from the text part of a config dict. The outer config's token ids fill those the text part
+    lacks (the reference's text defaults are wrong); ``where`` prefixes the model_type refusal."""
+    data = copy.deepcopy(dict(text))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if data.get(key) is None and outer.get(key) is not None:
+            data[key] = outer[key]
     model_type = data.get("model_type", "kimi_linear")
     if model_type != "kimi_linear":
-        raise ValueError(f"{source}: text model_type must be 'kimi_linear' (Kimi K3 text model), got {model_type!r}")
-    return KimiK3TextConfig(**_init_kwargs(copy.deepcopy(data)))
+        raise ValueError(f"{where}model_type must be 'kimi_linear' (the Kimi K3 text model), got {model_type!r}")
+    return KimiK3TextConfig(**_init_kwargs(data))
 
 
 AutoConfig.register("kimi_k3", KimiK3Config, exist_ok=True)

@@ -11,13 +11,13 @@ experts of the layer at once, one call per tensor: transient memory is the decod
 in bf16 for K3's 14 experts per rank at EP 64) plus ~6 bytes per weight of scratch while a tensor decodes (~1.9 GB
 for that ``gate_up``). The per-expert loop decodes one expert at a time.
 
-The grouped forward (:meth:`RoutedExperts.forward`) runs one batched computation per layer, chosen by
-``grouped_backend``:
+The grouped forward (:meth:`RoutedExperts.forward`) runs one batched computation per layer, chosen by the setting
+``experts_backend`` (:data:`EXPERTS_BACKEND`):
 
 * ``"grouped_mm"`` — ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` over the expert-sorted rows with
   device-side group offsets: no padding, no host sync. Used by ``"auto"`` where a one-time probe shows it runs for
   the device and dtype (CUDA sm90 bf16; recent torch, e.g. 2.13, also runs it on CPU) and every row stride is
-  16-byte aligned.
+  16-byte aligned (:func:`auto_experts_backend`).
 * ``"bmm"`` — each expert's rows padded to the largest group, then two ``bmm``: works everywhere, wastes
   ``n·max_group − pairs`` rows of compute and memory (the load imbalance), and reads the largest group size back to
   the host (one sync per layer: a static bound such as ``N`` rows per expert would cost ``n/k`` times the compute).
@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_eagle.backends import BackendRegistry, BackendSetting, RenamedSettings
 from lightning_eagle.k3.mxfp4 import GROUP_SIZE, decode_mxfp4
 from lightning_eagle.ops.situ import situ_and_mul
 
 EXPERT_STORAGES = ("dequantized", "mxfp4")
-GROUPED_BACKENDS = ("auto", "grouped_mm", "bmm")
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _GROUPED_MM_PROBES: dict[tuple[str, int | None, torch.dtype], bool] = {}
@@ -67,6 +67,24 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED_MM_PROBES[key]
 
 
+def auto_experts_backend(device: torch.device, dtype: torch.dtype, aligned: bool) -> str:
+    """``grouped_mm`` where it runs for this device and dtype and every operand is laid out for it, else ``bmm``."""
+    return "grouped_mm" if aligned and grouped_mm_runs(device, dtype) else "bmm"
+
+
+EXPERTS_BACKEND = BackendRegistry(
+    setting="experts_backend",
+    what="routed-experts backend",
+    names={
+        "grouped_mm": "one grouped GEMM over the expert-sorted rows: no padding, no host sync",
+        "bmm": "groups padded to the largest, two bmm: runs everywhere",
+    },
+    auto=auto_experts_backend,
+)
+# The setting was the attribute `grouped_backend` before every fast path got one `*_backend` convention.
+RENAMED_EXPERTS_SETTINGS = {"grouped_backend": "experts_backend"}
+
+
 def _rows_aligned(*mats: torch.Tensor) -> bool:
     """grouped_mm's layout rule: each matrix row- or column-major with its leading stride a multiple of 16 bytes."""
     for m in mats:
@@ -77,7 +95,13 @@ def _rows_aligned(*mats: torch.Tensor) -> bool:
     return True
 
 
-class RoutedExperts(nn.Module):
+class RoutedExperts(RenamedSettings, nn.Module):
+    """The local slice of one layer's routed experts; :meth:`forward` is the grouped path (``experts_backend``),
+    :meth:`forward_naive` its per-expert twin."""
+
+    experts_backend = BackendSetting(EXPERTS_BACKEND)
+    renamed_settings = RENAMED_EXPERTS_SETTINGS
+
     def __init__(
         self,
         num_experts: int,
@@ -109,7 +133,7 @@ class RoutedExperts(nn.Module):
             self.register_buffer("down_packed", torch.zeros(count, Hl, inter // 2, **u8))
             self.register_buffer("down_scale", torch.zeros(count, Hl, inter // GROUP_SIZE, **u8))
         self.beta, self.linear_beta = beta, linear_beta
-        self.grouped_backend = "auto"  # one of GROUPED_BACKENDS; see the module docstring
+        self.experts_backend = "auto"  # see the module docstring
 
     @property
     def is_complete(self) -> bool:
@@ -189,15 +213,13 @@ class RoutedExperts(nn.Module):
         return out
 
     def resolve_backend(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> str:
-        """The backend :meth:`forward` uses for these operands (``grouped_backend``, with ``"auto"`` resolved)."""
+        """The backend :meth:`forward` uses for these operands (``experts_backend``, with ``"auto"`` resolved)."""
         # The SiTU output [P, I] is grouped_mm's operand too: I·(element size) must be a multiple of 16 bytes.
-        inter_aligned = self.intermediate_size * x.element_size() % 16 == 0
-        fits = grouped_mm_runs(x.device, x.dtype) and _rows_aligned(x, gate_up, down) and inter_aligned
-        if self.grouped_backend == "auto":
-            return "grouped_mm" if fits else "bmm"
-        if self.grouped_backend == "grouped_mm" and not fits:
+        aligned = _rows_aligned(x, gate_up, down) and self.intermediate_size * x.element_size() % 16 == 0
+        backend = EXPERTS_BACKEND.resolve(self.experts_backend, x.device, dtype=x.dtype, aligned=aligned)
+        if backend == "grouped_mm" and not (aligned and grouped_mm_runs(x.device, x.dtype)):
             raise RuntimeError(f"grouped_mm does not run here ({x.device}, {x.dtype}, or unaligned widths)")
-        return self.grouped_backend
+        return backend
 
     def _grouped_mm(self, x, gate_up, down, ends):
         gate, up = _GROUPED_MM(x, gate_up, offs=ends).split(self.intermediate_size, dim=-1)

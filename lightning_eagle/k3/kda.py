@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_eagle.backends import BackendRegistry, BackendSetting
+from lightning_eagle.k3 import kda_records
 from lightning_eagle.k3.config import KimiK3TextConfig
 from lightning_eagle.k3.kda_ops import (
     chunk_kda,
@@ -19,26 +21,37 @@ from lightning_eagle.k3.kda_ops import (
     safe_chunk_size,
 )
 
-KDA_BACKENDS = ("auto", "chunk", "naive", "fla", "fla_chunk")
 AUTO_FLA_PREFERENCE = ("fla_chunk", "fla")  # among checked fla kernels, chunk first: the target runs long prefills
 
 
-def resolve_kda_backend(backend: str, device: torch.device) -> str:
-    """``auto`` → the first fla kernel of :data:`AUTO_FLA_PREFERENCE` that is installed *and* has passed the
-    whole-model check on this device class (:mod:`lightning_eagle.k3.check_kda`), else the plain-torch ``chunk`` path.
-    fla is never picked on trust alone (`k3_target.md` §10); ``fla`` / ``fla_chunk`` remain explicit opt-ins."""
-    if backend != "auto":
-        return backend
+def auto_kda_backend(device: torch.device) -> str:
+    """The first fla kernel of :data:`AUTO_FLA_PREFERENCE` that is installed *and* has passed the whole-model check on
+    this device class (:mod:`lightning_eagle.k3.kda_records`), else the plain-torch ``chunk`` path. fla is never
+    picked on trust alone (`k3_target.md` §10); ``fla`` / ``fla_chunk`` remain explicit opt-ins."""
     if fla_kda_available(device):
-        # Imported here: the package imports this module, and `python -m lightning_eagle.k3.check_kda` must not find
-        # check_kda already imported by its own package.
-        from lightning_eagle.k3.check_kda import passed_kda_backends
-
-        passed = passed_kda_backends(device)
+        passed = kda_records.passed_kda_backends(device)
         for name in AUTO_FLA_PREFERENCE:
             if name in passed:
                 return name
     return "chunk"
+
+
+KDA_BACKEND = BackendRegistry(
+    setting="kda_backend",
+    what="KDA backend",
+    names={
+        "chunk": "chunked WY form in plain torch: any device, the auto choice until an fla kernel passed the check",
+        "naive": "one step per token: the reference twin",
+        "fla": "flash-linear-attention fused_recurrent (CUDA)",
+        "fla_chunk": "flash-linear-attention chunk (CUDA; fla 0.6.0's disagreed with the golden on an H200)",
+    },
+    auto=auto_kda_backend,
+)
+
+
+def resolve_kda_backend(backend: str, device: torch.device) -> str:
+    """The KDA kernel ``backend`` runs on ``device`` (``"auto"`` through :func:`auto_kda_backend`)."""
+    return KDA_BACKEND.resolve(backend, device)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -89,7 +102,10 @@ class KDAFinalState:
 
 
 class KimiDeltaAttention(nn.Module):
-    """KDA with parameter names of the released checkpoint (``A_log`` is per head, ``[num_heads]``)."""
+    """KDA with parameter names of the released checkpoint (``A_log`` is per head, ``[num_heads]``). ``backend``: the
+    recurrence's :data:`KDA_BACKEND` (the model's ``kda_backend``; a settable attribute)."""
+
+    backend = BackendSetting(KDA_BACKEND)
 
     def __init__(self, config: KimiK3TextConfig, backend: str = "auto") -> None:
         super().__init__()
@@ -115,8 +131,6 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm.weight = nn.Parameter(torch.ones(self.head_dim))
         self.o_norm_eps = config.rms_norm_eps
         self.o_proj = nn.Linear(D, H, bias=False)
-        if backend not in KDA_BACKENDS:
-            raise ValueError(f"unknown KDA backend {backend!r}; choose one of {KDA_BACKENDS}")
         self.backend = backend
         self.chunk_size = safe_chunk_size(self.lower_bound, max_chunk=16)
 

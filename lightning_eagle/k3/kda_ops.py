@@ -165,7 +165,7 @@ def fla_kda(
 
     ``fused_recurrent`` is the default because it is the kernel the golden reference was checked with; fla 0.6.0's
     ``chunk`` kernel disagreed with the golden on a full tiny model (spec §10). Neither is used by ``backend="auto"``
-    until :mod:`lightning_eagle.k3.check_kda` has recorded a whole-model pass for it on the device class.
+    until :mod:`lightning_eagle.k3.kda_records` holds a whole-model pass for it on the device class.
     """
     from fla.ops.kda import chunk_kda as fla_chunk_kda
     from fla.ops.kda import fused_recurrent_kda

@@ -26,14 +26,15 @@ def build_mla(config: KimiK3TextConfig) -> NoPEMLA:
 
 class K3DecoderLayer(nn.Module):
     """Returns ``(p, bank)`` where ``p`` is the raw in-block prefix (sum of sub-layer outputs since the last
-    commit) — that is what EAGLE-3 hooks on ``layers[i]`` capture."""
+    commit) — that is what EAGLE-3 hooks on ``layers[i]`` capture.
+
+    Built with every fast path on ``"auto"``; :func:`lightning_eagle.k3.model.set_backends` switches them."""
 
     def __init__(
         self,
         config: KimiK3TextConfig,
         layer_idx: int,
         expert_range: tuple[int, int] | None = None,
-        kda_backend: str = "auto",
         expert_storage: str = "dequantized",
     ) -> None:
         super().__init__()
@@ -43,7 +44,7 @@ class K3DecoderLayer(nn.Module):
         self.block_size = config.attn_res_block_size
         self.input_layernorm = K3RMSNorm(H, eps=eps)
         self.post_attention_layernorm = K3RMSNorm(H, eps=eps)
-        self.self_attn = KimiDeltaAttention(config, backend=kda_backend) if self.is_kda else build_mla(config)
+        self.self_attn = KimiDeltaAttention(config) if self.is_kda else build_mla(config)
         betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
         if config.is_moe(layer_idx):
             self.block_sparse_moe = K3SparseMoE(config, expert_range, expert_storage)

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_eagle.k3.config import text_config_from_dict
 from lightning_eagle.k3.experts import RoutedExperts
-from lightning_eagle.k3.model import is_fp32_parameter
+from lightning_eagle.k3.fp32_parameters import is_fp32_parameter
 from lightning_eagle.k3.mxfp4 import decode_mxfp4
 
 TEXT_PREFIX = "language_model."
@@ -156,22 +156,22 @@ def resolve_target_path(target: str | Path) -> Path:
 
 
 def load_k3_checkpoint(
-    cls,
-    path,
-    dtype=torch.bfloat16,
-    device="cpu",
-    expert_range=None,
-    kda_backend="auto",
-    expert_storage="dequantized",
+    path: str | Path,
+    build: Callable[[object], nn.Module],
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
     shard: Callable[[nn.Module], object] | None = None,
-):
+) -> nn.Module:
+    """The body of :meth:`KimiK3ForCausalLM.from_pretrained` (the public way in): reads ``config.json``, calls
+    ``build(text_config)`` on the meta device (the model's own settings stay with the caller), fills every tensor once
+    and returns the model frozen."""
     path = named_target(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
     config = read_config(path)
     ckpt = SafetensorsCheckpoint(path)
     with torch.device("meta"):
-        model = cls(config, expert_range=expert_range, kda_backend=kda_backend, expert_storage=expert_storage)
+        model = build(config)
     if shard is not None:
         # Shards have fixed dtypes: cast on meta first (fp32 islands stay fp32), then materialise once, uninitialised.
         shard(model.cast_to(dtype))

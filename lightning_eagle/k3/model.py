@@ -11,26 +11,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightning_eagle.backends import refuse_renamed_keywords
 from lightning_eagle.k3.attn_res import attn_res_mix, res_weights
+from lightning_eagle.k3.capture import capture_hidden_states
 from lightning_eagle.k3.config import KimiK3TextConfig
+from lightning_eagle.k3.experts import EXPERTS_BACKEND, RoutedExperts
+from lightning_eagle.k3.fp32_parameters import is_fp32_parameter
+from lightning_eagle.k3.kda import KDA_BACKEND, KimiDeltaAttention
 from lightning_eagle.k3.layer import K3DecoderLayer
-from lightning_eagle.ops.mla import ATTN_IMPLEMENTATIONS, NoPEMLA, causal_allowed_mask
+from lightning_eagle.ops.mla import MLA_BACKEND, RENAMED_MLA_SETTINGS, NoPEMLA, causal_allowed_mask
 from lightning_eagle.ops.norm import K3RMSNorm
-
-# Parameters that stay fp32 whatever the model dtype (precision rules of the spec; never cast by `cast_to`).
-FP32_PARAMETER_SUFFIXES = (
-    "A_log",
-    "dt_bias",
-    "e_score_correction_bias",
-    "q_conv1d.weight",
-    "k_conv1d.weight",
-    "v_conv1d.weight",
-    "o_norm.weight",
-)
-
-
-def is_fp32_parameter(name: str) -> bool:
-    return name.endswith(FP32_PARAMETER_SUFFIXES)
 
 
 @dataclass
@@ -55,13 +45,25 @@ def attention_mask_for_mla(
     return torch.where((docs != 0)[:, None, :, None], allowed, key0)
 
 
-def set_attn_implementation(model: nn.Module, name: str) -> nn.Module:
-    """Set ``attn_implementation`` (``"sdpa"`` or ``"eager"``) on every MLA layer of ``model``; returns ``model``."""
-    if name not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {name!r}")
+def set_backends(
+    model: nn.Module,
+    *,
+    kda_backend: str | None = None,
+    mla_backend: str | None = None,
+    experts_backend: str | None = None,
+) -> nn.Module:
+    """Switch the fast paths of every layer of ``model`` (None = leave that one as it is); each name is checked by its
+    registry before anything changes. Returns ``model``."""
+    switches = [
+        (KimiDeltaAttention, "backend", kda_backend, KDA_BACKEND),
+        (NoPEMLA, "mla_backend", mla_backend, MLA_BACKEND),
+        (RoutedExperts, "experts_backend", experts_backend, EXPERTS_BACKEND),
+    ]
+    switches = [(kind, attribute, registry.check(name)) for kind, attribute, name, registry in switches if name]
     for module in model.modules():
-        if isinstance(module, NoPEMLA):
-            module.attn_implementation = name
+        for kind, attribute, name in switches:
+            if isinstance(module, kind):
+                setattr(module, attribute, name)
     return model
 
 
@@ -70,7 +72,6 @@ class KimiK3TextModel(nn.Module):
         self,
         config: KimiK3TextConfig,
         expert_range: tuple[int, int] | None = None,
-        kda_backend: str = "auto",
         expert_storage: str = "dequantized",
     ) -> None:
         super().__init__()
@@ -78,8 +79,7 @@ class KimiK3TextModel(nn.Module):
         H = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, H)
         self.layers = nn.ModuleList(
-            K3DecoderLayer(config, i, expert_range, kda_backend, expert_storage)
-            for i in range(config.num_hidden_layers)
+            K3DecoderLayer(config, i, expert_range, expert_storage) for i in range(config.num_hidden_layers)
         )
         self.norm = K3RMSNorm(H, eps=config.rms_norm_eps)
         if config.attn_res_block_size is not None:
@@ -120,8 +120,10 @@ class KimiK3ForCausalLM(nn.Module):
 
     Build with :meth:`from_pretrained` (released checkpoint layout) or ``KimiK3ForCausalLM(config)`` + random
     :meth:`init_weights` (tests). ``expert_range=(start, n)`` holds only that contiguous slice of routed experts.
-    ``attn_implementation``: the MLA attention core, ``"sdpa"`` (fused kernels) or ``"eager"`` (the readable twin);
-    :func:`set_attn_implementation` switches it later.
+    The fast paths, each ``"auto"`` by default and switched later by :func:`set_backends`: ``kda_backend``
+    (:data:`~lightning_eagle.k3.kda.KDA_BACKEND`), ``mla_backend`` (``"sdpa"`` fused kernels or ``"eager"``, the
+    readable twin; :data:`~lightning_eagle.ops.mla.MLA_BACKEND`) and ``experts_backend`` (``"grouped_mm"`` or
+    ``"bmm"``; :data:`~lightning_eagle.k3.experts.EXPERTS_BACKEND`).
     """
 
     def __init__(
@@ -130,14 +132,17 @@ class KimiK3ForCausalLM(nn.Module):
         expert_range: tuple[int, int] | None = None,
         kda_backend: str = "auto",
         expert_storage: str = "dequantized",
-        attn_implementation: str = "sdpa",
+        mla_backend: str = "auto",
+        experts_backend: str = "auto",
+        **renamed,
     ) -> None:
+        refuse_renamed_keywords(type(self).__name__, renamed, RENAMED_MLA_SETTINGS)
         super().__init__()
         self.config = config
         self.expert_range = expert_range
-        self.model = KimiK3TextModel(config, expert_range, kda_backend, expert_storage)
+        self.model = KimiK3TextModel(config, expert_range, expert_storage)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        set_attn_implementation(self, attn_implementation)
+        set_backends(self, kda_backend=kda_backend, mla_backend=mla_backend, experts_backend=experts_backend)
 
     # ---- construction ---------------------------------------------------------------------------------------------
     @classmethod
@@ -149,30 +154,34 @@ class KimiK3ForCausalLM(nn.Module):
         expert_range: tuple[int, int] | None = None,
         kda_backend: str = "auto",
         expert_storage: str = "dequantized",
-        attn_implementation: str = "sdpa",
+        mla_backend: str = "auto",
+        experts_backend: str = "auto",
         shard=None,
+        **renamed,
     ) -> KimiK3ForCausalLM:
         """Load a released-layout checkpoint directory (outer VLM or bare text ``config.json``; single or sharded
         safetensors; MXFP4 or plain experts), or ``"quickstart"`` (the bundled tiny K3). Returns the model frozen and
         in eval mode.
 
         ``expert_storage="mxfp4"`` keeps routed experts MXFP4-packed in memory (each MoE layer decodes all its
-        experts once per forward); ``"dequantized"`` decodes them once to ``dtype`` at load. ``attn_implementation``
-        as in the constructor. ``shard``: splits the meta-device model's dense weights before loading (see
+        experts once per forward); ``"dequantized"`` decodes them once to ``dtype`` at load. The ``*_backend``
+        settings as in the constructor. ``shard``: splits the meta-device model's dense weights before loading (see
         :mod:`lightning_eagle.parallel.dense_shard`); each rank then reads only its rows."""
+        refuse_renamed_keywords(f"{cls.__name__}.from_pretrained", renamed, RENAMED_MLA_SETTINGS)
+        # Imported here: the loader reads checkpoints, which building or running a model never needs.
         from lightning_eagle.k3.loader import load_k3_checkpoint
 
-        model = load_k3_checkpoint(
-            cls,
-            path,
-            dtype=dtype,
-            device=device,
-            expert_range=expert_range,
-            kda_backend=kda_backend,
-            expert_storage=expert_storage,
-            shard=shard,
-        )
-        return set_attn_implementation(model, attn_implementation)
+        def build(config: KimiK3TextConfig) -> KimiK3ForCausalLM:
+            return cls(
+                config,
+                expert_range=expert_range,
+                kda_backend=kda_backend,
+                expert_storage=expert_storage,
+                mla_backend=mla_backend,
+                experts_backend=experts_backend,
+            )
+
+        return load_k3_checkpoint(path, build, dtype=dtype, device=device, shard=shard)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float | None = None) -> KimiK3ForCausalLM:
@@ -243,8 +252,6 @@ class KimiK3ForCausalLM(nn.Module):
         """One no-grad forward that returns ``aux_hidden_states [B,T,3H]`` (taps concatenated in the given order),
         ``final_hidden [B,T,H]`` (post-norm) and, if asked, ``logits`` and ``final_prenorm`` (the final norm's
         input). See :mod:`lightning_eagle.k3.capture`."""
-        from lightning_eagle.k3.capture import capture_hidden_states
-
         return capture_hidden_states(
             self, input_ids, attention_mask, aux_layer_ids, aux_stream, return_logits, return_prenorm
         )

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from lightning_eagle.atomic import atomic_dir, weights_folder_problem
 from lightning_eagle.k3.loader import TEXT_PREFIX
-from lightning_eagle.k3.mxfp4 import encode_mxfp4
+from lightning_eagle.k3.mxfp4 import decode_mxfp4, encode_mxfp4
 
 MXFP4_QUANTIZATION_CONFIG = {
     "quant_method": "compressed-tensors",
@@ -71,6 +71,18 @@ def checkpoint_state_dict(model, mxfp4: bool = True, prefix: str = TEXT_PREFIX) 
                 else:
                     out[stem + ".weight"] = weight.detach().cpu().contiguous()
     return out
+
+
+@torch.no_grad()
+def snap_experts_to_mxfp4(model):
+    """Round routed experts onto the MXFP4 grid they will be stored in (in place), so that a model written with
+    ``mxfp4=True`` is the model that was evaluated before writing. Returns ``model``."""
+    for module in model.modules():
+        if type(module).__name__ == "RoutedExperts":
+            for e in range(module.count):
+                for w in (module.gate_up_proj[e], module.down_proj[e]):
+                    w.copy_(decode_mxfp4(*encode_mxfp4(w.t())).t())
+    return model
 
 
 def previous_checkpoint_problem(folder: Path) -> str | None:

@@ -5,7 +5,8 @@ There is no rotary module: position enters only through the causal mask (and, in
 
 The attention core has two twins with one signature ``(q, k, v, mask, scale) -> o``: :func:`eager_attention` (the
 readable form, fp32 ``[B,n,T,L]`` scores) and :func:`sdpa_attention` (``F.scaled_dot_product_attention``: flash or
-memory-efficient kernels that never hold the scores). ``NoPEMLA.attn_implementation`` picks one.
+memory-efficient kernels that never hold the scores). The setting ``mla_backend`` (:data:`MLA_BACKEND`) picks one;
+``"auto"`` is ``sdpa`` on every device.
 """
 
 from __future__ import annotations
@@ -14,18 +15,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_eagle.backends import BackendRegistry, BackendSetting, RenamedSettings, refuse_renamed_keywords
 from lightning_eagle.ops.norm import K3RMSNorm
 
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+MLA_BACKEND = BackendRegistry(
+    setting="mla_backend",
+    what="MLA attention backend",
+    names={
+        "sdpa": "F.scaled_dot_product_attention: flash / memory-efficient kernels that never hold the scores",
+        "eager": "explicit fp32 [B,n,T,L] scores: the readable twin",
+    },
+    auto=lambda device: "sdpa",  # the fused kernels run (and are at least as accurate) on every device
+)
+# The setting was `attn_implementation` before every fast path got one `*_backend` convention.
+RENAMED_MLA_SETTINGS = {"attn_implementation": "mla_backend"}
 
 
-class NoPEMLA(nn.Module):
+class NoPEMLA(RenamedSettings, nn.Module):
     """Projections and output gate of K3's MLA. ``forward`` runs causal attention with the core named by
-    ``attn_implementation`` (``"sdpa"``, the default, or ``"eager"``; a settable attribute).
+    ``mla_backend`` (:data:`MLA_BACKEND`: ``"auto"``, the default, = ``"sdpa"``, or ``"eager"``; a settable attribute).
 
     Subclasses / callers that need another attention core (the draft's TTT cache) use :meth:`project` and
     :meth:`gate_output` around their own score computation.
     """
+
+    mla_backend = BackendSetting(MLA_BACKEND)
+    renamed_settings = RENAMED_MLA_SETTINGS
 
     def __init__(
         self,
@@ -39,10 +54,12 @@ class NoPEMLA(nn.Module):
         v_head_dim: int,
         latent_norm_eps: float = 1e-6,
         use_output_gate: bool = True,
-        attn_implementation: str = "sdpa",
+        mla_backend: str = "auto",
+        **renamed,
     ) -> None:
+        refuse_renamed_keywords(type(self).__name__, renamed, RENAMED_MLA_SETTINGS)
         super().__init__()
-        self.attn_implementation = attn_implementation
+        self.mla_backend = mla_backend
         self.num_heads = num_heads
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
@@ -59,16 +76,6 @@ class NoPEMLA(nn.Module):
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.g_proj = nn.Linear(input_size, num_heads * v_head_dim, bias=False) if use_output_gate else None
         self.o_proj = nn.Linear(num_heads * v_head_dim, output_size, bias=False)
-
-    @property
-    def attn_implementation(self) -> str:
-        return self._attn_implementation
-
-    @attn_implementation.setter
-    def attn_implementation(self, name: str) -> None:
-        if name not in ATTN_IMPLEMENTATIONS:
-            raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {name!r}")
-        self._attn_implementation = name
 
     @classmethod
     def from_config(cls, config, input_size: int, output_size: int, latent_norm_eps: float) -> NoPEMLA:
@@ -117,7 +124,7 @@ class NoPEMLA(nn.Module):
         q, k, v = self.project(x)
         if cache is not None:
             k, v = cache.update(k, v)
-        attend = sdpa_attention if self.attn_implementation == "sdpa" else eager_attention
+        attend = MLA_CORES[MLA_BACKEND.resolve(self.mla_backend, x.device)]
         o = attend(q, k, v, mask, self.scale)
         B, n, T, _ = q.shape
         return self.gate_output(o.transpose(1, 2).reshape(B, T, n * self.v_head_dim), x)
@@ -178,6 +185,9 @@ def sdpa_attention(
         mask = mask == 0
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
     return out[..., :d_v]
+
+
+MLA_CORES = {"sdpa": sdpa_attention, "eager": eager_attention}
 
 
 def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:

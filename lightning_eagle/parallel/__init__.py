@@ -5,8 +5,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from lightning_eagle.parallel.layout import ParallelLayout, ReplicatedTarget, TargetParallelism, target_parallelism
-from lightning_eagle.parallel.validate import UnsupportedLayoutError, validate_layout, validate_target_config
+from lightning_eagle.parallel.layout import (
+    HasTargetSpec,
+    ParallelLayout,
+    ReplicatedTarget,
+    TargetParallelism,
+    target_parallelism,
+    validate_layout,
+)
+from lightning_eagle.parallel.validate import UnsupportedLayoutError, validate_target_config
 
 # Lazy: the strategy imports Lightning (seconds); the layout gates must stay cheap to import.
 _EXPORTS = {
@@ -26,6 +33,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "HasTargetSpec",
     "ParallelLayout",
     "ReplicatedTarget",
     "TargetParallelism",

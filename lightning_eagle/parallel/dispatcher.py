@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from lightning_eagle.k3.experts import RoutedExperts
 from lightning_eagle.parallel.shard import check_expert_slice
+from lightning_eagle.parallel.validate import DISPATCHERS
 
 
 def _check_no_grad(x_TD: torch.Tensor) -> None:
@@ -53,7 +54,33 @@ def _unpack_rows(packed: torch.Tensor, *like: torch.Tensor) -> list[torch.Tensor
     return parts
 
 
-class TorchExpertDispatcher:
+class _GroupDispatcher:
+    """What both torch dispatchers share: the expert-parallel group, and the checks every call makes before its
+    first collective (no autograd graph through the exchange; ``experts`` holds this rank's slice)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
+
+    def __call__(
+        self,
+        experts: RoutedExperts,
+        x_TD: torch.Tensor,
+        topk_idx_TK: torch.Tensor,
+        topk_weight_TK: torch.Tensor,
+    ) -> torch.Tensor:
+        _check_no_grad(x_TD)
+        check_expert_slice(experts, self.ep_size, self.ep_rank)
+        return self._dispatch(experts, x_TD, topk_idx_TK, topk_weight_TK)
+
+    def _dispatch(
+        self, experts: RoutedExperts, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchExpertDispatcher(_GroupDispatcher):
     """Uneven all-to-all dispatch with torch.distributed (gloo and NCCL).
 
     Steps for one MoE layer::
@@ -71,25 +98,14 @@ class TorchExpertDispatcher:
     collectives per layer: the counts, the tokens with their routing (packed into one byte tensor), the results.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
-        self.ep_size = dist.get_world_size(group)
-        self.ep_rank = dist.get_rank(group)
-
     def _all_to_all(self, x: torch.Tensor, recv_splits: list[int], send_splits: list[int]) -> torch.Tensor:
         out = x.new_empty((sum(recv_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=self.group)
         return out
 
-    def __call__(
-        self,
-        experts: RoutedExperts,
-        x_TD: torch.Tensor,
-        topk_idx_TK: torch.Tensor,
-        topk_weight_TK: torch.Tensor,
+    def _dispatch(
+        self, experts: RoutedExperts, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor
     ) -> torch.Tensor:
-        _check_no_grad(x_TD)
-        check_expert_slice(experts, self.ep_size, self.ep_rank)
         T, D = x_TD.shape
         R = self.ep_size
         # Contiguous equal slices: expert e lives on EP rank e // experts_per_rank.
@@ -114,7 +130,7 @@ class TorchExpertDispatcher:
         return out_TD.index_add_(0, token_S, y_SD)
 
 
-class AllGatherExpertDispatcher:
+class AllGatherExpertDispatcher(_GroupDispatcher):
     """Reference twin of :class:`TorchExpertDispatcher` (the reference implementation's ``"torch"`` semantics).
 
     Every rank gathers every rank's tokens and routing, computes its local experts' fp32 partial sums for all of
@@ -123,11 +139,6 @@ class AllGatherExpertDispatcher:
     Communication grows with ``ep_size × all tokens``, which is why it is the twin and not the default.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
-        self.ep_size = dist.get_world_size(group)
-        self.ep_rank = dist.get_rank(group)
-
     def _gather_padded(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         padded = x.new_zeros((max(counts), *x.shape[1:]))
         padded[: x.shape[0]] = x
@@ -135,15 +146,9 @@ class AllGatherExpertDispatcher:
         dist.all_gather(parts, padded, group=self.group)
         return torch.cat([p[:n] for p, n in zip(parts, counts)])
 
-    def __call__(
-        self,
-        experts: RoutedExperts,
-        x_TD: torch.Tensor,
-        topk_idx_TK: torch.Tensor,
-        topk_weight_TK: torch.Tensor,
+    def _dispatch(
+        self, experts: RoutedExperts, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor
     ) -> torch.Tensor:
-        _check_no_grad(x_TD)
-        check_expert_slice(experts, self.ep_size, self.ep_rank)
         T = x_TD.shape[0]
         count = torch.tensor([T], dtype=torch.long, device=x_TD.device)
         counts_R = [torch.empty_like(count) for _ in range(self.ep_size)]
@@ -223,12 +228,16 @@ def require_library(name: str) -> None:
         )
 
 
+def _unknown(name: str) -> ValueError:
+    return ValueError(f"target_dispatcher={name!r} is unknown; choose one of {DISPATCHERS}")
+
+
 def check_dispatcher(name: str) -> None:
     """Construction-time check of ``target_dispatcher``: unknown names and unusable GPU libraries raise here."""
     if name in _LIBRARY_DISPATCHERS:
         _LIBRARY_DISPATCHERS[name].check_available()
     elif name != "torch":
-        raise ValueError(f"target_dispatcher={name!r} is unknown; choose one of ('torch', 'deepep', 'hybridep')")
+        raise _unknown(name)
 
 
 def build_dispatcher(name: str, group: dist.ProcessGroup | None = None):
@@ -237,4 +246,4 @@ def build_dispatcher(name: str, group: dist.ProcessGroup | None = None):
         return TorchExpertDispatcher(group)
     if name in _LIBRARY_DISPATCHERS:
         return _LIBRARY_DISPATCHERS[name](group)
-    raise ValueError(f"target_dispatcher={name!r} is unknown; choose one of ('torch', 'deepep', 'hybridep')")
+    raise _unknown(name)

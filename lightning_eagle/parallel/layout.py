@@ -1,14 +1,19 @@
-"""The parallel layout of one run, and what a training module may ask of the strategy that owns it.
+"""The parallel layout of one run, and the contract between a training module and the strategy that owns it.
 
-``ParallelLayout`` is the one object that says how the frozen target and the draft are placed over ranks. Every
-instance is valid: the constructor runs :func:`~lightning_eagle.parallel.validate.validate_layout`, and facts that are
-not known yet (the world size before ``Trainer(...)``, the expert count before the module names its target) are
-``None`` — never a placeholder. A strategy *refines* its layout as facts arrive (:meth:`ParallelLayout.refine`), so a
-refused setting fails at the first moment it can be judged and always before any target weight is read.
+``ParallelLayout`` is the one object that says how the frozen target and the draft are placed over ranks, and its
+fields are the one list of layout settings (the strategy's keyword arguments and the validator follow it). Every
+instance is valid: the constructor runs :func:`validate_layout`, and facts that are not known yet (the world size
+before ``Trainer(...)``, the expert count before the module names its target) are ``None`` — never a placeholder. A
+strategy *refines* its layout as facts arrive (:meth:`ParallelLayout.refine`), so a refused setting fails at the first
+moment it can be judged and always before any target weight is read.
 
-``TargetParallelism`` is the contract between ``Eagle3Module`` / ``FeatureDumper`` and the strategy:
-``ExpertParallelStrategy`` implements it; any other strategy gets :class:`ReplicatedTarget` (every rank loads the
-whole target) through :func:`target_parallelism`.
+The contract, both ways:
+
+* ``TargetParallelism``: what ``Eagle3Module`` / ``FeatureDumper`` ask of the strategy. ``ExpertParallelStrategy``
+  implements it; any other strategy gets :class:`ReplicatedTarget` (every rank loads the whole target) through
+  :func:`target_parallelism`.
+* ``HasTargetSpec``: what the strategy asks of the module before any worker starts — its already validated
+  :class:`~lightning_eagle.k3.target_spec.TargetSpec`.
 """
 
 from __future__ import annotations
@@ -16,11 +21,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch import nn
 
-from lightning_eagle.parallel.validate import validate_layout
+from lightning_eagle.parallel.validate import DISPATCHERS, UnsupportedLayoutError
+
+if TYPE_CHECKING:
+    from lightning_eagle.k3.target_spec import TargetSpec
+
+# Fields of ParallelLayout learnt at run time (refine() takes only these); every other field is a setting.
+RUN_TIME_FACTS = ("world_size", "num_experts", "device_types")
 
 
 @dataclass(frozen=True)
@@ -49,7 +60,7 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         if self.device_types is not None and not isinstance(self.device_types, tuple):
             object.__setattr__(self, "device_types", tuple(self.device_types))
-        validate_layout(**{k: v for k, v in dataclasses.asdict(self).items() if k != "target_shard_dense"})
+        validate_layout(self)
 
     @property
     def data_parallel_size(self) -> int | None:
@@ -64,10 +75,79 @@ class ParallelLayout:
 
     def refine(self, **facts: Any) -> ParallelLayout:
         """This layout with newly known facts (``world_size``, ``num_experts``, ``device_types``), validated."""
-        unknown = set(facts) - {"world_size", "num_experts", "device_types"}
+        unknown = set(facts) - set(RUN_TIME_FACTS)
         if unknown:
             raise TypeError(f"refine() takes facts learnt at run time, not settings: {sorted(unknown)}")
         return dataclasses.replace(self, **facts)
+
+
+# The settings: the fields a strategy's config may set (``--trainer.strategy.init_args.<name>``).
+LAYOUT_SETTINGS = tuple(f.name for f in dataclasses.fields(ParallelLayout) if f.name not in RUN_TIME_FACTS)
+
+
+def validate_layout(layout: ParallelLayout) -> None:
+    """Return None for a layout that can serve K3; raise ``ValueError`` (sub)classes naming the offending setting
+    otherwise. Facts still ``None`` (world size, expert count, device types) are not judged yet.
+
+    Unsupported-but-sensible layouts raise :class:`~lightning_eagle.parallel.validate.UnsupportedLayoutError`.
+    """
+    if layout.target_backend != "colocated":
+        raise UnsupportedLayoutError(
+            "K3 EAGLE-3 training requires target_model_backend='colocated' (got "
+            f"target_backend={layout.target_backend!r}): the frozen target runs inside the trainer; sglang/vllm/remote "
+            "targets are not supported"
+        )
+    if layout.target_force_hf:
+        raise ValueError(
+            "target_force_hf=True is not supported: K3 has no HuggingFace implementation; "
+            "lightning_eagle's own KimiK3ForCausalLM is the target"
+        )
+    for name in ("tensor_parallel_size", "context_parallel_size"):
+        size = getattr(layout, name)
+        if size != 1:
+            raise UnsupportedLayoutError(
+                f"{name}={size}: the K3 target supports neither context nor tensor parallelism; shard the target "
+                "with expert parallelism (expert_parallel_size) and set tensor_parallel_size=1 and "
+                "context_parallel_size=1"
+            )
+    if layout.pipeline_parallel_size != 1:
+        raise UnsupportedLayoutError(
+            f"pipeline_parallel_size={layout.pipeline_parallel_size}: Pipeline parallelism is not supported — EAGLE-3 "
+            "aux hidden states come from one non-pipelined target forward; use expert_parallel_size instead"
+        )
+    if layout.sequence_packing:
+        raise UnsupportedLayoutError(
+            "sequence_packing=True: Sequence packing is not supported for K3 (its KDA/MLA own the packed attention "
+            "and do not accept a [B,1,T,T] block mask); use right-padded rows"
+        )
+    if layout.p_eagle:
+        raise UnsupportedLayoutError("p_eagle=True: Parallel drafting (P-EAGLE) is not supported; use EAGLE-3 (TTT)")
+    dispatcher = layout.target_dispatcher
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"target_dispatcher={dispatcher!r} is unknown; choose one of {DISPATCHERS}")
+    ep, world_size, num_experts = layout.expert_parallel_size, layout.world_size, layout.num_experts
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"expert_parallel_size must be a positive int, got {ep!r}")
+    if world_size is not None and world_size % ep:
+        raise ValueError(
+            f"expert_parallel_size ({ep}) must divide the world size ({world_size}): expert parallelism is carved "
+            "out of the data-parallel ranks"
+        )
+    if num_experts is not None and num_experts % ep:
+        raise ValueError(
+            f"num_experts ({num_experts}) is not divisible by expert_parallel_size ({ep}); each rank must hold a "
+            "contiguous, equal slice of routed experts"
+        )
+    kinds = None if layout.device_types is None else sorted(set(layout.device_types))
+    if kinds is not None and len(kinds) > 1:
+        raise ValueError(
+            f"expert parallelism across mixed device types {kinds} is not supported: every rank of an "
+            "expert-parallel group must use the same accelerator"
+        )
+    if dispatcher != "torch" and kinds is not None and kinds != ["cuda"]:
+        raise ValueError(
+            f"target_dispatcher={dispatcher!r} needs CUDA devices (got {kinds}); use target_dispatcher='torch' on CPU"
+        )
 
 
 SINGLE_PROCESS = ParallelLayout(world_size=1)
@@ -108,6 +188,15 @@ class ReplicatedTarget:
 
     def parallelize_target(self, target: nn.Module) -> nn.Module:
         return target
+
+
+@runtime_checkable
+class HasTargetSpec(Protocol):
+    """A training module that declares its frozen target: what the strategy gates in the main process, before any
+    worker starts or any weight is read. The spec is already validated (text ``model_type``, aux ids against the
+    depth), so the strategy judges only its own part: the expert count against the layout."""
+
+    target_spec: TargetSpec | None
 
 
 def target_parallelism(strategy: Any | None) -> TargetParallelism:

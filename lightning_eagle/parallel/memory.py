@@ -1,4 +1,4 @@
-"""Weights of the frozen K3 target per rank, counted from the real module tree; and the memory-plan command line.
+"""Weights of the frozen K3 target per rank, counted from the real module tree.
 
 Parameter shapes come from the real module tree (one decoder layer of each kind built on the meta device, with
 ``nn.init`` skipped), not from a second hand-written formula, so the counts cannot drift from the model. Bytes:
@@ -16,8 +16,8 @@ For the published K3 at EP 8 / 32 / 64 this reproduces ``k3_target.md`` ยง5.3: โ
 181 / 45 / 22.6 GB packed, 681 / 170 / 85 GB bf16 routed experts per rank.
 
 The whole per-rank **peak** (activations, draft, optimizer, transients) is planned in
-:mod:`lightning_eagle.parallel.memory_plan`; ``python -m lightning_eagle.parallel.memory --config run.yaml
---gpu-gb 80`` prints that plan for a LightningCLI config (see :func:`main`).
+:mod:`lightning_eagle.parallel.memory_plan`; ``python -m lightning_eagle.commands.memory_plan --config run.yaml
+--gpu-gb 80`` (or ``lightning-eagle memory-plan``) prints that plan for a LightningCLI config.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ GB = 1e9  # decimal, as in the spec's tables
 ROUTED_PREFIX = "block_sparse_moe.experts."
 
 
-class _SkipInit(TorchFunctionMode):
+class SkipInit(TorchFunctionMode):
     """Skip ``torch.nn.init`` calls: on the meta device they only cost time (seconds for the real K3)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -134,7 +134,7 @@ class TargetShapes:
 
 def _layer_parameters(config: KimiK3TextConfig, layer_idx: int) -> tuple[tuple[ParamShape, ...], int]:
     """(non-routed parameters, routed weights of one expert) of decoder layer ``layer_idx``, built on meta."""
-    with torch.device("meta"), _SkipInit():
+    with torch.device("meta"), SkipInit():
         layer = K3DecoderLayer(config, layer_idx, expert_range=(0, 1))
     dense, routed = [], 0
     for name, p in layer.named_parameters():
@@ -258,13 +258,11 @@ def memory_table(config: KimiK3TextConfig, ep_sizes: list[int], dtype: torch.dty
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m lightning_eagle.parallel.memory --config run.yaml --gpu-gb 80`` (see
-    :func:`lightning_eagle.parallel.memory_plan.main`)."""
-    from lightning_eagle.parallel.memory_plan import main as plan_main
-
-    return plan_main(argv)
-
-
+# The plan's command line lived here; the old spelling names its new home instead of running (and imports nothing
+# of the command side, which sits above this layer).
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+
+    new = "python -m lightning_eagle.commands.memory_plan (or lightning-eagle memory-plan)"
+    print(f"moved: use {new} with the same flags", file=sys.stderr)
+    raise SystemExit(2)

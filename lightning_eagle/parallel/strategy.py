@@ -20,8 +20,9 @@ refuses state dicts that contain it). A replicated draft is saved as one file by
 The strategy owns the run's :class:`~lightning_eagle.parallel.layout.ParallelLayout` and implements
 :class:`~lightning_eagle.parallel.layout.TargetParallelism`. The layout is validated as facts arrive — the static
 settings in ``__init__``, the world size (and precision) inside ``Trainer(...)``, the target's expert count in the main
-process before workers start (when the module exposes ``target_path``) or in :meth:`expert_range`, the device types
-of all ranks in :meth:`setup_environment` — always before any target weight is read.
+process before workers start (when the module declares its target,
+:class:`~lightning_eagle.parallel.layout.HasTargetSpec`) or in :meth:`expert_range`, the device types of all ranks in
+:meth:`setup_environment` — always before any target weight is read.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from lightning_eagle.parallel.dense_shard import dense_bytes_held, has_sharded_t
 from lightning_eagle.parallel.dispatcher import build_dispatcher, check_dispatcher
 from lightning_eagle.parallel.grad_sync import all_reduce_gradients
 from lightning_eagle.parallel.launcher import ExpertParallelLauncher
-from lightning_eagle.parallel.layout import ParallelLayout
+from lightning_eagle.parallel.layout import LAYOUT_SETTINGS, HasTargetSpec, ParallelLayout
 from lightning_eagle.parallel.memory import per_rank_memory_report
 from lightning_eagle.parallel.shard import enable_expert_parallel, expert_range
 from lightning_eagle.parallel.validate import validate_target_config
@@ -69,6 +70,10 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         tensor_parallel_size, context_parallel_size, pipeline_parallel_size, sequence_packing, target_backend,
             p_eagle, target_force_hf: accepted only at their supported values (1 / False / ``"colocated"``) so that
             a config asking for them fails loudly with the setting's name.
+
+            These layout settings are :class:`~lightning_eagle.parallel.layout.ParallelLayout`'s fields (name, type,
+            default; a test keeps them equal), spelled out here because LightningCLI types
+            ``--trainer.strategy.init_args.*`` from this signature.
         start_method: ``"popen"`` (default: re-run the script per rank, as for ``torchrun``-style launches),
             ``"spawn"`` or ``"fork"`` (processes started by Lightning; CPU tests, notebooks).
         save_distributed_checkpoint: only used for an FSDP2-sharded draft (one file per rank); a replicated draft
@@ -93,20 +98,11 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        # The requested layout, validated now (static settings); refined with the world size in `Trainer(...)`, and
+        # The requested layout from the arguments that are layout settings (read off the call's locals, so the
+        # field list is ParallelLayout's alone), validated now; refined with the world size in `Trainer(...)`, and
         # with the device types and the target's expert count before any weight is read.
-        self._layout = ParallelLayout(
-            expert_parallel_size=expert_parallel_size,
-            target_dispatcher=target_dispatcher,
-            target_shard_dense=target_shard_dense,
-            tensor_parallel_size=tensor_parallel_size,
-            context_parallel_size=context_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            sequence_packing=sequence_packing,
-            target_backend=target_backend,
-            p_eagle=p_eagle,
-            target_force_hf=target_force_hf,
-        )
+        arguments = locals()
+        self._layout = ParallelLayout(**{name: arguments[name] for name in LAYOUT_SETTINGS})
         check_dispatcher(target_dispatcher)
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r} is unknown; choose one of {START_METHODS}")
@@ -143,6 +139,11 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                 "precision='32-true' (target and draft dtypes are managed by the module) or 'bf16-mixed'"
             )
 
+    def _refine_num_experts(self, num_experts: Any) -> None:
+        if not isinstance(num_experts, int):
+            raise ValueError(f"the target config has no integer num_experts (got {num_experts!r})")
+        self._refine(num_experts=num_experts)
+
     def validate_target(self, config_or_path: Any, aux_layer_ids=None):
         """Gate a target (a checkpoint directory — only its ``config.json`` is read — or a config object) against
         this layout: text ``model_type`` ``kimi_linear``, valid aux ids, ``num_experts % ep == 0``. Returns the
@@ -154,17 +155,15 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             config = read_config(Path(config_or_path))
         validate_target_config(config, aux_layer_ids)
         text = text_config_of(config)
-        num_experts = config_value(text, "num_experts")
-        if not isinstance(num_experts, int):
-            raise ValueError(f"the target config has no integer num_experts (got {num_experts!r})")
-        self._refine(num_experts=num_experts)
+        self._refine_num_experts(config_value(text, "num_experts"))
         return text
 
     def validate_module(self, module: Any) -> None:
-        """Main-process check before any worker starts, if the module names its target (``target_path``)."""
-        path = getattr(module, "target_path", None)
-        if path is not None:
-            self.validate_target(path, getattr(module, "aux_layer_ids", None))
+        """Main-process check before any worker starts, for a module that declares its target
+        (:class:`~lightning_eagle.parallel.layout.HasTargetSpec`). Its spec is already validated (model type, aux
+        ids), so only the layout's part remains: the expert count against ``expert_parallel_size``."""
+        if isinstance(module, HasTargetSpec) and module.target_spec is not None:
+            self._refine_num_experts(module.target_spec.config.num_experts)
 
     # ---- launch and process group -------------------------------------------------------------------------------
     def _configure_launcher(self) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from lightning_eagle.settings import DEFAULT_STEP_DECAY
+
 
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, position_mask: torch.Tensor) -> torch.Tensor:
     """``L_k = Σ pos · (−Σ_v p_t · log_softmax(z)) / max(1, Σ pos)`` — divided by the number of supervised positions
@@ -20,7 +22,7 @@ def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, positio
     return total / mask.sum().clamp_min(1)
 
 
-def step_weights(ttt_steps: int, decay: float = 0.8) -> torch.Tensor:
+def step_weights(ttt_steps: int, decay: float = DEFAULT_STEP_DECAY) -> torch.Tensor:
     """``decay**k`` for k = 0..K−1 (fp32); the unroll divides by their sum so the loss scale does not depend on K."""
     if not isinstance(ttt_steps, int) or ttt_steps < 1:
         raise ValueError(f"ttt_steps must be an int >= 1, got {ttt_steps!r}")

@@ -10,7 +10,6 @@ Research hooks (override in a subclass; each is passed to :func:`~lightning_eagl
 
 from __future__ import annotations
 
-import json
 import logging
 import warnings
 from collections.abc import Callable
@@ -23,25 +22,30 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from typing_extensions import override
 
 from lightning_eagle.checkpoint_io import AtomicCheckpointIO
-from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
-from lightning_eagle.draft.config import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS
-from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY
+from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft, build_draft
+from lightning_eagle.draft.config import TRAINING_SETTINGS
+from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY, CHECKPOINT_TRAINING_KEY
 from lightning_eagle.draft.materialize import build_on_meta, materialize
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.errors import NonFiniteTrainingError
 from lightning_eagle.features.teacher_head import TeacherHead
-from lightning_eagle.k3.config import text_config_from_dict
-from lightning_eagle.k3.loader import config_fingerprint, resolve_target_path
 from lightning_eagle.k3.model import KimiK3ForCausalLM
+from lightning_eagle.k3.target_spec import TargetSpec
 from lightning_eagle.parallel.dense_shard import gathered_weight, is_sharded, shard_draft
-from lightning_eagle.parallel.layout import TargetParallelism, target_parallelism
+from lightning_eagle.parallel.frozen_target import load_frozen_target, parallelism_of, root_device
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
-from lightning_eagle.parallel.validate import validate_target_config
-from lightning_eagle.settings import check_settings
+from lightning_eagle.settings import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, check_settings
+from lightning_eagle.training.data_contract import DraftVocabulary, DumpedFeatures, run_datamodule
 from lightning_eagle.training.loss import soft_cross_entropy
 from lightning_eagle.training.loss import step_weights as default_step_weights
 from lightning_eagle.training.metrics import TTTMetrics
-from lightning_eagle.training.resume import MICRO_BATCH_ROWS_KEY, micro_batch_rows, rescale_epoch_progress
+from lightning_eagle.training.resume import (
+    MICRO_BATCH_ROWS_KEY,
+    micro_batch_rows,
+    rescale_epoch_progress,
+    rng_states_from_checkpoint,
+    rng_states_to_checkpoint,
+)
 from lightning_eagle.training.schedule import warmup_cosine
 from lightning_eagle.training.shift import shift_left
 from lightning_eagle.training.teacher import Teacher
@@ -64,49 +68,6 @@ MODULE_DRAFT_FIELDS = {
     "aux_hidden_state_stream": "aux_stream",
     "draft_vocab_size": "data.draft_vocab_size (the data module builds the vocabulary map)",
 }
-
-
-def _parallelism(owner: pl.LightningModule) -> TargetParallelism:
-    trainer = owner._trainer
-    return target_parallelism(trainer.strategy if trainer is not None else None)
-
-
-def _root_device(owner: pl.LightningModule) -> torch.device:
-    """The device ``owner``'s strategy places it on (the CPU outside a trainer)."""
-    return owner._trainer.strategy.root_device if owner._trainer is not None else torch.device("cpu")
-
-
-def load_frozen_target(
-    owner: pl.LightningModule, target_path, num_experts: int, dtype: str, expert_storage: str
-) -> KimiK3ForCausalLM:
-    """The frozen K3 of ``owner``'s run: this rank's expert slice on its device, placed by the strategy
-    (:class:`~lightning_eagle.parallel.layout.TargetParallelism`: e.g. the expert-parallel dispatcher installed).
-
-    The one loading path for training (``Eagle3Module``) and feature dumps (``FeatureDumper``)."""
-    parallelism = _parallelism(owner)
-    expert_range = parallelism.expert_range(num_experts)  # refuses an unsplittable expert count before any read
-    target = KimiK3ForCausalLM.from_pretrained(
-        target_path, dtype=DTYPES[dtype], device=_root_device(owner), expert_range=expert_range,
-        expert_storage=expert_storage, shard=parallelism.dense_sharding(),
-    )  # fmt: skip
-    return parallelism.parallelize_target(target)
-
-
-def rng_states_to_checkpoint(states: dict[str, Any]) -> dict[str, Any]:
-    """Lightning's RNG states with numpy's key array as a tensor, so ``torch.load(weights_only=True)`` reads them."""
-    out = dict(states)
-    if "numpy" in out:
-        name, keys, pos, has_gauss, gauss = out["numpy"]
-        out["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss))
-    return out
-
-
-def rng_states_from_checkpoint(states: dict[str, Any]) -> dict[str, Any]:
-    out = dict(states)
-    if "numpy" in out:
-        name, keys, pos, has_gauss, gauss = out["numpy"]
-        out["numpy"] = (name, keys.numpy().astype("uint32"), pos, has_gauss, gauss)
-    return out
 
 
 def _refuse_second_spelling(draft: dict[str, Any] | None) -> None:
@@ -187,6 +148,8 @@ class Eagle3Module(pl.LightningModule):
             "teacher_vocab_chunk": (teacher_vocab_chunk, "positive", int),
             "teacher_seq_chunk": (teacher_seq_chunk, "positive", int),
         })  # fmt: skip
+        if step_decay > 1:  # later steps would outweigh the first, which every accepted draft token needs
+            raise ValueError(f"model.step_decay must be in (0, 1], got {step_decay!r}")
         if ttt_steps > MAX_USEFUL_TTT_STEPS:
             warnings.warn(
                 f"model.ttt_steps={ttt_steps}: engines draft 3-8 tokens and the step weights decay^k make steps past "
@@ -194,12 +157,11 @@ class Eagle3Module(pl.LightningModule):
                 stacklevel=2,
             )
         _refuse_second_spelling(draft)
-        self.target_path = resolve_target_path(target)
-        self.aux_layer_ids = aux_layer_ids
-        config_text = (self.target_path / "config.json").read_text()
-        self.target_fingerprint = config_fingerprint(config_text)
-        self.target_config = text_config_from_dict(json.loads(config_text), source=str(self.target_path))
-        validate_target_config(self.target_config, aux_layer_ids)
+        # Read (config.json only) and validated once; the strategy, the feature dumper and the plan use it as is.
+        self.target_spec = TargetSpec.from_checkpoint(
+            target, dtype=target_dtype, expert_storage=target_expert_storage, aux_layer_ids=aux_layer_ids,
+            aux_stream=aux_stream,
+        )  # fmt: skip
         # Builds (and validates: GQA, NoPE, aux ids) the draft config without any weights.
         self.draft_config = self._draft_config(draft_vocab_size=None)
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
@@ -210,21 +172,36 @@ class Eagle3Module(pl.LightningModule):
         self.draft: KimiK3Eagle3Draft | None = None
         self.strict_loading = False  # the checkpoint holds only the draft; `load_state_dict` checks it strictly
 
+    # ---- the target (one spec, read-only views) --------------------------------------------------------------------
+    @property
+    def target_path(self):
+        return self.target_spec.path
+
+    @property
+    def target_config(self):
+        return self.target_spec.config
+
+    @property
+    def target_fingerprint(self) -> str:
+        return self.target_spec.fingerprint
+
+    @property
+    def ttt_steps(self) -> int:
+        """K, the draft steps each training position unrolls (what evaluation drafts per round by default)."""
+        return self.hparams.ttt_steps
+
     # ---- construction ---------------------------------------------------------------------------------------------
     def _draft_config(self, draft_vocab_size: int | None) -> Eagle3DraftConfig:
         hp = self.hparams
         overrides = dict(hp.draft or {})
-        overrides["ttt_steps"] = hp.ttt_steps
-        overrides["step_decay"] = hp.step_decay
         overrides["draft_vocab_size"] = draft_vocab_size
-        overrides["aux_hidden_state_stream"] = hp.aux_stream
-        if hp.aux_layer_ids is not None:
-            overrides["aux_layer_ids"] = list(hp.aux_layer_ids)
+        overrides["aux_hidden_state_stream"] = self.target_spec.aux_stream
+        overrides["aux_layer_ids"] = list(self.target_spec.aux_layer_ids)
         return Eagle3DraftConfig.from_target_config(self.target_config, **overrides)
 
     def expert_range(self) -> tuple[int, int] | None:
         """This rank's slice of routed experts (None = all); an expert-parallel strategy decides."""
-        return _parallelism(self).expert_range(self.target_config.num_experts)
+        return parallelism_of(self).expert_range(self.target_config.num_experts)
 
     @override
     def configure_model(self, vocab_mapping=None) -> None:
@@ -233,22 +210,19 @@ class Eagle3Module(pl.LightningModule):
         trainer's data module; outside a trainer pass ``vocab_mapping``."""
         if self.draft is not None:  # called once per stage (fit/validate/…): idempotent
             return
-        device, hp = _root_device(self), self.hparams
+        device, hp = root_device(self), self.hparams
         if self.hparams.target_source == "features":
             head = TeacherHead.from_checkpoint(self.target_path, prenorm=self._features_prenorm(), dtype=torch.float32)
             self.teacher_head = head.to(device=device, dtype=DTYPES[self.hparams.target_dtype])
             embedding = self.teacher_head.embed_tokens
         else:
-            self.target = load_frozen_target(
-                self, self.target_path, self.target_config.num_experts, self.hparams.target_dtype,
-                self.hparams.target_expert_storage,
-            )  # fmt: skip
+            self.target = load_frozen_target(self, self.target_spec)
             embedding = self.target.model.embed_tokens.weight
         mapping = vocab_mapping if vocab_mapping is not None else self._vocab_mapping()
         self.draft_config = self._draft_config(None if mapping is None else int(mapping.selected.numel()))
         # Built on meta and allocated once on the device in its training dtype: no full fp32 host copy. Initial values
         # depend only on (draft_init_seed, parameter name): every rank and every rerun starts from the same draft.
-        draft = build_on_meta(lambda: KimiK3Eagle3Draft(self.draft_config, attention_backend=hp.attention_backend))
+        draft = build_on_meta(lambda: build_draft(self.draft_config, attention_backend=hp.attention_backend))
         materialize(draft, device, DTYPES[hp.draft_dtype], hp.draft_init_seed, skip=["embed_tokens.weight"])
         draft.copy_embeddings_from(embedding)  # from the target (gathered if sharded), cast on the device
         selected = mapping.selected if mapping is not None else torch.arange(self.draft_config.draft_vocab_size)
@@ -267,24 +241,24 @@ class Eagle3Module(pl.LightningModule):
         return strategy.world_mesh
 
     def _features_manifest(self) -> dict[str, Any] | None:
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        return getattr(datamodule, "manifest", None)
+        datamodule = run_datamodule(self._trainer)
+        return datamodule.manifest if isinstance(datamodule, DumpedFeatures) else None
 
     def _features_prenorm(self) -> bool:
         manifest = self._features_manifest()
         return True if manifest is None else manifest["hidden_states"] == "prenorm"
 
     def _vocab_mapping(self):
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        mapping = getattr(datamodule, "vocab_mapping", None)
-        if datamodule is not None:
-            vocab = getattr(datamodule, "vocab_size", None)
-            if vocab is not None and vocab != self.target_config.vocab_size:
-                raise ValueError(
-                    f"the data's tokenizer has {vocab} ids but the target's vocab_size is "
-                    f"{self.target_config.vocab_size}: tokenizer and target checkpoint do not belong together"
-                )
-        return mapping
+        datamodule = run_datamodule(self._trainer)
+        if not isinstance(datamodule, DraftVocabulary):
+            return None
+        vocab = datamodule.vocab_size
+        if vocab is not None and vocab != self.target_config.vocab_size:
+            raise ValueError(
+                f"the data's tokenizer has {vocab} ids but the target's vocab_size is {self.target_config.vocab_size}: "
+                "tokenizer and target checkpoint do not belong together"
+            )
+        return datamodule.vocab_mapping
 
     @override
     def setup(self, stage: str) -> None:
@@ -319,11 +293,11 @@ class Eagle3Module(pl.LightningModule):
             )
         if (
             manifest["aux_layer_ids"] != self.draft_config.aux_layer_ids
-            or manifest["aux_stream"] != self.hparams.aux_stream
+            or manifest["aux_stream"] != self.target_spec.aux_stream
         ):
             raise ValueError(
                 f"{where} tap layers {manifest['aux_layer_ids']} ({manifest['aux_stream']} stream), this module "
-                f"trains on {self.draft_config.aux_layer_ids} ({self.hparams.aux_stream}): dump again or set "
+                f"trains on {self.draft_config.aux_layer_ids} ({self.target_spec.aux_stream}): dump again or set "
                 "aux_layer_ids / aux_stream to the dump's"
             )
 
@@ -356,8 +330,8 @@ class Eagle3Module(pl.LightningModule):
         """The frozen target's forward: fp32 router/softmax islands stay fp32 (autocast disabled)."""
         with torch.autocast(device_type=self.device.type, enabled=False):
             return self.target.capture(
-                batch["input_ids"], batch["attention_mask"], aux_layer_ids=self.draft_config.aux_layer_ids,
-                aux_stream=self.hparams.aux_stream,
+                batch["input_ids"], batch["attention_mask"], aux_layer_ids=list(self.target_spec.aux_layer_ids),
+                aux_stream=self.target_spec.aux_stream,
             )  # fmt: skip
 
     def target_features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -385,6 +359,8 @@ class Eagle3Module(pl.LightningModule):
             draft_step_fn=self.draft_step,
             step_loss_fn=self.step_loss,
             step_weights_fn=self.step_weights,
+            ttt_steps=self.hparams.ttt_steps,
+            step_decay=self.hparams.step_decay,
             return_argmax=return_argmax,
         )
 
@@ -541,7 +517,7 @@ class Eagle3Module(pl.LightningModule):
         if self.draft is None:  # configure_model never ran here (e.g. the fork/spawn launcher's main process)
             self.draft_config = self._draft_config(int(draft_state["d2t"].numel()))
             with torch.device("meta"):  # no random init: every tensor, vocab map included, comes from the state
-                draft = KimiK3Eagle3Draft(self.draft_config, attention_backend=self.hparams.attention_backend)
+                draft = build_draft(self.draft_config, attention_backend=self.hparams.attention_backend)
             result = draft.load_state_dict(draft_state, strict=True, assign=True)
             if self.draft_config.freeze_embeddings:
                 draft.freeze_embeddings()
@@ -563,6 +539,10 @@ class Eagle3Module(pl.LightningModule):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_CONFIG_KEY] = self.draft_config.to_dict()
+        checkpoint[CHECKPOINT_TRAINING_KEY] = {
+            "ttt_steps": self.hparams.ttt_steps,
+            "step_decay": self.hparams.step_decay,
+        }
         checkpoint[TARGET_FINGERPRINT_KEY] = self.target_fingerprint
         checkpoint[MICRO_BATCH_ROWS_KEY] = micro_batch_rows(self.trainer)
         checkpoint[DRAFT_SHARDED_KEY] = bool(self.hparams.draft_shard)
@@ -578,7 +558,8 @@ class Eagle3Module(pl.LightningModule):
         if saved is None:
             return
         ours = self.draft_config.to_dict()
-        training_only = {"ttt_steps", "step_decay", "draft_vocab_size"}  # settings of this run / set by the data
+        # set by the data / training settings that checkpoints written before they left the draft config hold there
+        training_only = {"draft_vocab_size", *TRAINING_SETTINGS}
         keys = sorted(saved, key=lambda k: (k != "architecture", k))  # the layer type first: it explains the rest
         changed = {k: (saved[k], ours.get(k)) for k in keys if k not in training_only and saved[k] != ours.get(k)}
         if changed:

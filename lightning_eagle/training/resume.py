@@ -13,14 +13,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from lightning_eagle.training.data_contract import FixedBatchSize, run_datamodule
+
 MICRO_BATCH_ROWS_KEY = "eagle_micro_batch_rows"
 _BATCH_PROGRESS = "epoch_loop.batch_progress"
 
 
 def micro_batch_rows(trainer) -> int | None:
     """Rows one micro-batch takes over the whole world (None when the data module does not say its batch size)."""
-    batch_size = getattr(getattr(trainer, "datamodule", None), "batch_size", None)
-    return None if batch_size is None else int(batch_size) * trainer.world_size
+    datamodule = run_datamodule(trainer)
+    if not isinstance(datamodule, FixedBatchSize) or datamodule.batch_size is None:
+        return None
+    return int(datamodule.batch_size) * trainer.world_size
 
 
 def rescale_epoch_progress(checkpoint: dict[str, Any], current_rows: int | None) -> None:
@@ -43,3 +49,20 @@ def rescale_epoch_progress(checkpoint: dict[str, Any], current_rows: int | None)
         for field in ("ready", "started", "processed", "completed"):
             counters[field] += shift
     checkpoint[MICRO_BATCH_ROWS_KEY] = current_rows
+
+
+def rng_states_to_checkpoint(states: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's RNG states with numpy's key array as a tensor, so ``torch.load(weights_only=True)`` reads them."""
+    out = dict(states)
+    if "numpy" in out:
+        name, keys, pos, has_gauss, gauss = out["numpy"]
+        out["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss))
+    return out
+
+
+def rng_states_from_checkpoint(states: dict[str, Any]) -> dict[str, Any]:
+    out = dict(states)
+    if "numpy" in out:
+        name, keys, pos, has_gauss, gauss = out["numpy"]
+        out["numpy"] = (name, keys.numpy().astype("uint32"), pos, has_gauss, gauss)
+    return out

@@ -28,6 +28,7 @@ import torch
 import torch.utils.checkpoint
 
 from lightning_eagle.draft.cache import TTTCache
+from lightning_eagle.settings import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS
 from lightning_eagle.training.loss import soft_cross_entropy, step_weights
 from lightning_eagle.training.shift import shift_left
 from lightning_eagle.training.teacher import Teacher, compute_teacher
@@ -97,8 +98,8 @@ def ttt_loss(
     aux_hidden_states: torch.Tensor,
     target_logits: torch.Tensor | None = None,
     *,
-    ttt_steps: int | None = None,
-    step_decay: float | None = None,
+    ttt_steps: int = DEFAULT_TTT_STEPS,
+    step_decay: float = DEFAULT_STEP_DECAY,
     final_hidden: torch.Tensor | None = None,
     lm_head_weight: torch.Tensor | None = None,
     teacher: Teacher | None = None,
@@ -112,10 +113,9 @@ def ttt_loss(
 
     Shapes: ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B,T]``; ``aux_hidden_states`` ``[B,T,3H_t]``; teacher
     source: ``target_logits [B,T,V]``, or ``final_hidden [B,T,H_t]`` + ``lm_head_weight [V,H_t]`` (chunked, never
-    ``[B,T,V]``), or a precomputed ``teacher``. ``ttt_steps`` / ``step_decay`` default to the draft config's.
+    ``[B,T,V]``), or a precomputed ``teacher``. ``ttt_steps`` (K) and ``step_decay`` are the unroll's settings.
     """
-    K = draft.config.ttt_steps if ttt_steps is None else ttt_steps
-    decay = draft.config.step_decay if step_decay is None else step_decay
+    K, decay = ttt_steps, step_decay
     if teacher is None:
         teacher = teacher_fn(
             draft, loss_mask, target_logits=target_logits, final_hidden=final_hidden, lm_head_weight=lm_head_weight

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from lightning_eagle.data import dataset as dataset_module
-from lightning_eagle.data import render_k3_chat, synthetic_k3_tokenizer
-from lightning_eagle.data.dataset import EncodeOptions, TokenizedChatDataset, collate_chat_rows
+from lightning_eagle.data import encoding, render_k3_chat, synthetic_k3_tokenizer
+from lightning_eagle.data.dataset import TokenizedChatDataset, collate_chat_rows
+from lightning_eagle.data.encoding import EncodeOptions
 from lightning_eagle.data.loss_mask import KIMI_K3
 
 CHAT = {"messages": [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4"}]}
@@ -45,13 +45,13 @@ def test_rows_match_render_and_recovery(jsonl_writer, k3_tok):
 
 def test_pipeline_never_adds_a_generation_prompt(jsonl_writer, k3_tok, monkeypatch):
     seen = []
-    real = dataset_module.build_k3_segments
+    real = encoding.build_k3_segments
 
     def spy(*args, **kwargs):
         seen.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dataset_module, "build_k3_segments", spy)
+    monkeypatch.setattr(encoding, "build_k3_segments", spy)
     opts = {"thinking": False, "thinking_effort": None, "add_generation_prompt": True}
     data = build([jsonl_writer("a.jsonl", [CHAT])], k3_tok, render_options=opts)
     assert seen and all(kw["add_generation_prompt"] is False and kw["thinking"] is False for kw in seen)

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lightning_eagle.cli import main
+from lightning_eagle.commands.cli import main
 from lightning_eagle.data.synthetic_corpus import bundled_sample_path
 
 REPO = Path(__file__).resolve().parents[2]

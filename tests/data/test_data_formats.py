@@ -16,12 +16,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_eagle.data import ChatDataModule, DataRowError, generate_synthetic_corpus, render_k3_chat, render_k3_text
+from lightning_eagle.data import (
+    ChatDataModule,
+    DataRowError,
+    encoding,
+    generate_synthetic_corpus,
+    render_k3_chat,
+    render_k3_text,
+)
 from lightning_eagle.data import dataset as dataset_module
-from lightning_eagle.data.dataset import EncodeOptions, TokenizedChatDataset
-from lightning_eagle.data.formats import ROLE_TABLE, detect_format, expand_paths, resolve_sources
+from lightning_eagle.data.dataset import TokenizedChatDataset
+from lightning_eagle.data.encoding import EncodeOptions
+from lightning_eagle.data.formats import ROLE_TABLE, detect_format, expand_paths, iter_rows, resolve_sources
 from lightning_eagle.data.loss_mask import KIMI_K3
-from lightning_eagle.data.rows import RawRow, iter_raw_rows
+from lightning_eagle.data.rows import RawRow
 
 RENDER = {"thinking": True, "thinking_effort": None}
 
@@ -104,7 +112,7 @@ def options(**overrides) -> EncodeOptions:
     return EncodeOptions(**base)
 
 
-def build(files, tok, cache_dir=None, workers=0, chunk_rows=dataset_module.DEFAULT_CHUNK_ROWS, **overrides):
+def build(files, tok, cache_dir=None, workers=0, chunk_rows=encoding.DEFAULT_CHUNK_ROWS, **overrides):
     return TokenizedChatDataset.build_or_load(
         files, tok, KIMI_K3, options(**overrides), cache_dir=cache_dir, workers=workers, chunk_rows=chunk_rows
     )
@@ -164,7 +172,7 @@ def test_sharegpt_system_human_gpt_turns(tmp_path, k3_tok):
     masked = k3_tok.decode(data[0]["input_ids"][data[0]["loss_mask"] == 1])
     assert "2 + 2 = 4." in masked and "4 * 3 = 12." in masked and "What is" not in masked and "K3" not in masked
     assert data.source(1) == (str(path), 2)
-    [first, _] = [r for r in iter_raw_rows(path) if isinstance(r, RawRow)]
+    [first, _] = [r for r in iter_rows(path) if isinstance(r, RawRow)]
     assert first.data["messages"] == SHAREGPT_AS_MESSAGES  # what prompts_from_datamodule / the data report read
 
 
@@ -211,10 +219,10 @@ def test_role_table(tmp_path, k3_tok, alias, role):
     row = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}, turn]}
     if role != "assistant":
         row["conversations"].append({"from": "gpt", "value": "done"})
-    [item] = list(iter_raw_rows(write_jsonl(tmp_path / "r.jsonl", [row])))
+    [item] = list(iter_rows(write_jsonl(tmp_path / "r.jsonl", [row])))
     assert item.data["messages"][2]["role"] == role
     # the same alias in an OpenAI-style row
-    [item] = list(iter_raw_rows(write_jsonl(tmp_path / "o.jsonl", [{"messages": [{"role": alias, "content": "t"}]}])))
+    [item] = list(iter_rows(write_jsonl(tmp_path / "o.jsonl", [{"messages": [{"role": alias, "content": "t"}]}])))
     assert item.data["messages"][0]["role"] == role
 
 
@@ -301,7 +309,7 @@ def test_openai_legacy_function_messages_and_null_fields(tmp_path, k3_tok):
         ],
         "tools": json.dumps(TOOLS[:1]),
     }
-    [item] = list(iter_raw_rows(write_jsonl(tmp_path / "o.jsonl", [row])))
+    [item] = list(iter_rows(write_jsonl(tmp_path / "o.jsonl", [row])))
     expected = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather?"},
@@ -514,7 +522,7 @@ def test_resume_after_interrupt_reuses_completed_chunks(tmp_path, k3_tok, monkey
     path = write_jsonl(tmp_path / "c.jsonl", generate_synthetic_corpus(30, seed=2))
     reference = build([path], k3_tok)
     cache = tmp_path / "cache"
-    real_call = dataset_module._Encoder.__call__
+    real_call = encoding.RowEncoder.__call__
     calls = []
 
     def dying(self, job):
@@ -523,7 +531,7 @@ def test_resume_after_interrupt_reuses_completed_chunks(tmp_path, k3_tok, monkey
             raise _Interrupt
         return real_call(self, job)
 
-    monkeypatch.setattr(dataset_module._Encoder, "__call__", dying)
+    monkeypatch.setattr(encoding.RowEncoder, "__call__", dying)
     with pytest.raises(_Interrupt):
         build([path], k3_tok, cache_dir=cache, chunk_rows=5)
     [key_dir] = cache.iterdir()
@@ -532,7 +540,7 @@ def test_resume_after_interrupt_reuses_completed_chunks(tmp_path, k3_tok, monkey
 
     calls.clear()
     monkeypatch.setattr(
-        dataset_module._Encoder, "__call__", lambda self, job: calls.append(job.item.line) or real_call(self, job)
+        encoding.RowEncoder, "__call__", lambda self, job: calls.append(job.item.line) or real_call(self, job)
     )
     resumed = build([path], k3_tok, cache_dir=cache, chunk_rows=5)
     assert calls == list(range(16, 31))  # rows 1-15 (three chunks) were not tokenized again
@@ -552,14 +560,14 @@ def test_bad_row_in_a_later_chunk_leaves_no_chunks(tmp_path, k3_tok):
 
 KILL_SCRIPT = """
 import sys, time
-from lightning_eagle.data import dataset as d, synthetic_k3_tokenizer
+from lightning_eagle.data import dataset as d, encoding, synthetic_k3_tokenizer
 from lightning_eagle.data.loss_mask import KIMI_K3
-real = d._Encoder.__call__
+real = encoding.RowEncoder.__call__
 def slow(self, row):
     time.sleep(0.02)
     return real(self, row)
-d._Encoder.__call__ = slow
-options = d.EncodeOptions(4096, {"thinking": True, "thinking_effort": None}, "kimi_k3", dict(KIMI_K3.defaults))
+encoding.RowEncoder.__call__ = slow
+options = encoding.EncodeOptions(4096, {"thinking": True, "thinking_effort": None}, "kimi_k3", dict(KIMI_K3.defaults))
 d.TokenizedChatDataset.build_or_load([sys.argv[1]], synthetic_k3_tokenizer(), KIMI_K3, options,
                                      cache_dir=sys.argv[2], workers=0, chunk_rows=10)
 """
@@ -581,10 +589,10 @@ def test_kill_9_mid_tokenization_resumes(tmp_path, k3_tok, monkeypatch):
         proc.wait()
     done = {p.name for p in cache.glob("*/chunks/chunk_*.safetensors")}
     assert len(done) >= 3
-    real_call = dataset_module._Encoder.__call__
+    real_call = encoding.RowEncoder.__call__
     calls = []
     monkeypatch.setattr(
-        dataset_module._Encoder, "__call__", lambda self, job: calls.append(job.item.line) or real_call(self, job)
+        encoding.RowEncoder, "__call__", lambda self, job: calls.append(job.item.line) or real_call(self, job)
     )
     resumed = build([path], k3_tok, cache_dir=cache, chunk_rows=10)
     assert len(calls) <= 200 - 10 * len(done)

@@ -24,15 +24,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_eagle.commands.regenerate import main
 from lightning_eagle.data import render_k3_chat, synthetic_k3_tokenizer
 from lightning_eagle.data.loss_mask import get_loss_mask_recovery
 from lightning_eagle.data.regenerate import (
     EndpointEngine,
-    LocalEngine,
     RegenerateError,
     RegenerateSettings,
     TurnJob,
-    main,
     progress_path,
     regenerate,
     split_k3_response,
@@ -42,6 +41,7 @@ from lightning_eagle.data.rows import DataRowError, validate_row
 from lightning_eagle.data.synthetic_corpus import bundled_sample_path
 from lightning_eagle.inference import plain_generate
 from lightning_eagle.inference.batched import BatchedGenerator, GenerationRequest, sample_token
+from lightning_eagle.inference.local_engine import LocalEngine
 from lightning_eagle.inference.sampling import pick_token
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -451,11 +451,11 @@ def test_regenerate_endpoint_failures(fresh_server, chats_file, tmp_path, capsys
 
 @pytest.mark.slow
 def test_regenerate_cli_kill9_resume(fresh_server, chats_file, local_greedy, tmp_path):
-    """``python -m lightning_eagle.data.regenerate`` killed with SIGKILL mid-run, restarted: every row once, in order,
-    equal to the uninterrupted run; the output is accepted by ChatDataModule."""
+    """``python -m lightning_eagle.commands.regenerate`` killed with SIGKILL mid-run, restarted: every row once, in
+    order, equal to the uninterrupted run; the output is accepted by ChatDataModule."""
     fresh_server.delay = 0.3
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "lightning_eagle.data.regenerate", str(chats_file), str(out),
+    cmd = [sys.executable, "-m", "lightning_eagle.commands.regenerate", str(chats_file), str(out),
            "--base-url", fresh_server.base_url, "--max-new-tokens", str(MAX_NEW), "--no-thinking",
            "--thinking-effort", "none", "--max-concurrency", "1", "--retry-backoff", "0.01", "--quiet"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
@@ -549,3 +549,15 @@ def test_a_header_only_progress_file_does_not_block_the_corrected_rerun(tmp_path
     path.write_text(json.dumps({"format": PROGRESS_FORMAT, "model": "wrong"}) + "\n" + json.dumps({"row": 0}) + "\n")
     with pytest.raises(ValueError, match="was written by a run with other model"):
         ProgressFile(path, {"format": PROGRESS_FORMAT, "model": "right"}).load()
+
+
+def test_the_old_module_entry_point_names_the_new_one(tmp_path):
+    """``python -m lightning_eagle.data.regenerate`` (the command before it moved to ``commands``) runs nothing: it
+    names the new entry point and exits 2."""
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "lightning_eagle.data.regenerate", "in.jsonl", str(out), "--base-url", "http://x/v1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "moved: use python -m lightning_eagle.commands.regenerate" in result.stderr
+    assert not out.exists() and not progress_path(out).exists()

@@ -1,5 +1,5 @@
 """Data report (``lightning_eagle.data.report``): every number checked against the tokenized data, the command line
-with the quickstart config, and the length plot."""
+(``lightning_eagle.commands.data_report``) with the quickstart config, and the length plot."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from lightning_eagle.commands.data_report import main, with_trainer_overrides
 from lightning_eagle.data import ChatDataModule
-from lightning_eagle.data.report import DataReport, _length_bins, _with_trainer_overrides, data_report, main
+from lightning_eagle.data.report import DataReport, _length_bins, data_report
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_LENGTH = 512
@@ -207,7 +208,7 @@ def test_length_bins_start_at_the_shortest_row_and_close_at_the_longest():
 
 def test_trainer_overrides_follow_the_config():
     words = ["--data.max_length", "64", "--config", "c.yaml", "--trainer.default_root_dir", "r"]
-    out = _with_trainer_overrides(words)
+    out = with_trainer_overrides(words)
     assert out[:4] == words[:4] and out[-2:] == words[-2:] and "--trainer.accelerator" in out[4:-2]
 
 
@@ -226,3 +227,28 @@ def test_main_with_quickstart_config(chats, tmp_path, monkeypatch, capsys):
     assert (tmp_path / "rep" / "lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     main(common)  # default: <trainer.default_root_dir>/data_report
     assert (tmp_path / "runs" / "quickstart" / "data_report" / "report.json").is_file()
+
+
+def test_main_refuses_data_that_is_not_chats(monkeypatch):
+    """A features config (HiddenStateDataModule) has no chats to report on: refused by name, nothing tokenized."""
+    from types import SimpleNamespace
+
+    from lightning_eagle.commands import config_cli
+
+    class HiddenStateDataModule:
+        pass
+
+    seen = []
+
+    def fake_make_cli(words, from_sys_argv, run=True):
+        seen.append((words, from_sys_argv, run))
+        return SimpleNamespace(datamodule=HiddenStateDataModule())
+
+    monkeypatch.setattr(config_cli, "make_cli", fake_make_cli)
+    with pytest.raises(ValueError, match=r"^data-report reads chats through ChatDataModule, the config's data is "
+                                         r"HiddenStateDataModule$"):  # fmt: skip
+        main(["--config=quickstart", "--out", "unused"])
+    [(words, from_sys_argv, run)] = seen
+    assert run is False and from_sys_argv is False
+    assert words[0].startswith("--config=") and words[0].endswith("quickstart.yaml")  # the packaged name resolved
+    assert words[1:3] == ["--trainer.accelerator", "cpu"] and "--out" not in words

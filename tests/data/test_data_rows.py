@@ -7,7 +7,8 @@ import json
 import pytest
 
 from lightning_eagle.data import DataRowError
-from lightning_eagle.data.dataset import EncodeOptions, TokenizedChatDataset
+from lightning_eagle.data.dataset import TokenizedChatDataset
+from lightning_eagle.data.encoding import EncodeOptions
 from lightning_eagle.data.loss_mask import KIMI_K3
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}

@@ -10,7 +10,7 @@ import pytest
 import torch
 from draft_helpers import tiny_batch, tiny_config, tiny_draft
 
-from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft, TTTCache
+from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft, TTTCache, build_draft
 from lightning_eagle.draft.deepseek_mla import DeepseekMLAEagle3Draft, DeepseekRMSNorm, engine_rms_norm
 from lightning_eagle.k3.presets import config_from_name
 from lightning_eagle.ops.norm import rms_norm
@@ -79,7 +79,9 @@ def test_k3_config_refuses_rope_and_points_to_deepseek_mla():
 def test_the_config_picks_the_class_and_its_modules():
     draft = mla_draft()
     assert type(draft) is DeepseekMLAEagle3Draft and isinstance(draft, KimiK3Eagle3Draft)
-    assert type(KimiK3Eagle3Draft(tiny_config())) is KimiK3Eagle3Draft
+    assert type(build_draft(tiny_config())) is KimiK3Eagle3Draft
+    with pytest.raises(ValueError, match=r"build it with lightning_eagle.draft.build_draft\(config\)"):
+        KimiK3Eagle3Draft(draft.config)  # the base class builds only its own architecture
     assert type(copy.deepcopy(draft)) is DeepseekMLAEagle3Draft
     with pytest.raises(ValueError, match="builds architecture='deepseek_mla'"):
         DeepseekMLAEagle3Draft(tiny_config())
@@ -89,7 +91,7 @@ def test_the_config_picks_the_class_and_its_modules():
     assert not any("inv_freq" in n for n in names)  # the rotary tables are rebuilt from the config, never stored
     assert all(isinstance(m, DeepseekRMSNorm) for n, m in draft.named_modules() if n.endswith(("norm", "layernorm")))
     with torch.device("meta"):
-        meta = KimiK3Eagle3Draft(draft.config)
+        meta = build_draft(draft.config)
     meta.load_state_dict(draft.state_dict(), assign=True)
     assert not any(t.is_meta for t in [*meta.parameters(), *meta.buffers()])
 

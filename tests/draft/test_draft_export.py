@@ -41,8 +41,7 @@ REQUIRED_CONFIG = [
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope", "mla_use_output_gate",
     "intermediate_size", "hidden_act", "activation_situ_beta", "activation_situ_linear_beta", "rms_norm_eps",
     "vocab_size", "draft_vocab_size", "target_hidden_size", "tie_word_embeddings", "torch_dtype", "bos_token_id",
-    "eos_token_id", "pad_token_id", "fc_norm", "norm_output", "eagle_config", "aux_hidden_state_stream", "step_decay",
-    "ttt_steps", "model_type",
+    "eos_token_id", "pad_token_id", "fc_norm", "norm_output", "eagle_config", "aux_hidden_state_stream", "model_type",
 ]  # fmt: skip
 
 
@@ -225,7 +224,7 @@ def test_aux_ids_are_required_and_validated(make_draft, tmp_path):
     with pytest.warns(UserWarning, match="SGLang"):  # taps layer 0
         out = export_draft(draft, tmp_path / "b", aux_layer_ids=[2, 0, 4])
     written = json.loads((out / "config.json").read_text())
-    # vLLM sorts the ids: written ascending, fc's input chunks permuted to match (tests/draft/test_engine_export.py)
+    # vLLM sorts the ids: written ascending, fc's input chunks permuted to match (test_draft_engine_export.py)
     assert written["aux_layer_ids"] == [0, 2, 4] and written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
         1,
         3,
@@ -292,3 +291,23 @@ def test_k3_export_sorts_unsorted_aux_ids_with_fc_permuted(make_draft, tmp_path)
     reordered = {**batch, "aux_hidden_states": torch.cat([a1, a3, a5], dim=-1)}
     for ours, theirs in zip(logits_after(loaded, reordered), logits_after(draft, batch)):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["current", "legacy"])
+def test_a_checkpoint_export_records_its_training_settings(make_draft, tmp_path, layout):
+    """``ttt_steps`` / ``step_decay`` are training settings, not draft fields: a checkpoint carries them beside the
+    draft config (older ones inside it) and the export writes them as metadata; the re-import ignores them."""
+    from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY, CHECKPOINT_TRAINING_KEY
+
+    draft = make_draft()
+    settings = {"ttt_steps": 3, "step_decay": 0.5}
+    ckpt = {"state_dict": {f"draft.{k}": v for k, v in draft.state_dict().items()}}
+    if layout == "current":
+        ckpt |= {CHECKPOINT_CONFIG_KEY: draft.config.to_dict(), CHECKPOINT_TRAINING_KEY: settings}
+    else:
+        ckpt |= {CHECKPOINT_CONFIG_KEY: {**draft.config.to_dict(), **settings}}
+    out = export_draft(ckpt, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["ttt_steps"], config["step_decay"]) == (3, 0.5)
+    assert not [k for k in REQUIRED_CONFIG if k not in config]
+    assert KimiK3Eagle3Draft.from_pretrained(out).config == draft.config

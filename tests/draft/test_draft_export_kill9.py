@@ -30,7 +30,7 @@ def stalled(*args, **kwargs):
     Path(sys.argv[3]).write_text("written")
     time.sleep(120)
 export.save_file = stalled
-from lightning_eagle.cli import main
+from lightning_eagle.commands.cli import main
 main(["export", sys.argv[1], sys.argv[2], "--overwrite"])
 """
 

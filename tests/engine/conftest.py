@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from tiny_deepseek import write_tiny_deepseek_v3
 from vllm_env import engine_python
 
-from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft, export_draft
+from lightning_eagle.draft import Eagle3DraftConfig, build_draft, export_draft
 from lightning_eagle.k3.loader import read_config
 
 PROBE = Path(__file__).with_name("vllm_probe.py")
@@ -103,7 +103,7 @@ def quickstart_shape_export(tmp_path_factory) -> Path:
         read_config(QUICKSTART_TARGET.parent), architecture="deepseek_mla", intermediate_size=256, draft_vocab_size=320,
         aux_layer_ids=[1, 3, 5], aux_hidden_state_stream="prefix", fc_norm=True,
     )  # fmt: skip
-    draft = KimiK3Eagle3Draft(config)
+    draft = build_draft(config)
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if "norm" in name:

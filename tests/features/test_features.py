@@ -31,7 +31,7 @@ def _trainer(root: Path, **kw) -> pl.Trainer:
 
 
 def _dump(out: Path, **kw) -> Path:
-    return dump_features(Eagle3Module(**MODULE), ChatDataModule(**DATA), out, _trainer(out.parent), **kw)
+    return dump_features(Eagle3Module(**MODULE).target_spec, ChatDataModule(**DATA), out, _trainer(out.parent), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -217,8 +217,8 @@ def test_expert_parallel_dump_equals_the_single_process_dump(tmp_path, fp32_dump
     strategy = ExpertParallelStrategy(expert_parallel_size=2, start_method="fork")
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(tmp_path))  # fmt: skip
-    out = dump_features(Eagle3Module(**MODULE), ChatDataModule(**DATA), tmp_path / "ep", trainer, dtype="float32",
-                        shard_rows=64)  # fmt: skip
+    out = dump_features(Eagle3Module(**MODULE).target_spec, ChatDataModule(**DATA), tmp_path / "ep", trainer,
+                        dtype="float32", shard_rows=64)  # fmt: skip
     ep, single = (json.loads((d / fmt.MANIFEST_NAME).read_text()) for d in (out, fp32_dump))
     assert [s["rows"] for s in ep["shards"]] == [s["rows"] for s in single["shards"]]
     for shard in single["shards"]:  # rank r wrote shards r, r+2, …; the experts were split over the two ranks

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_eagle.cli import main
+from lightning_eagle.commands.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from k3_helpers import tiny_model
 
-from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
+from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft, build_draft
 
 
 def make_target(preset: str = "k3-tiny", seed: int = 0, lm_head_scale: float = 1.0, **overrides):
@@ -32,7 +32,7 @@ def make_draft(
     values.update(overrides)
     config = Eagle3DraftConfig.from_target_config(target.config, **values)
     torch.manual_seed(seed)
-    draft = KimiK3Eagle3Draft(config)
+    draft = build_draft(config)
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:

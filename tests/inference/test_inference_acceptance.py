@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from inference_helpers import make_draft, make_target
 from lightning_eagle.data import synthetic_k3_tokenizer
 from lightning_eagle.data.prompts import prompts_from_chats, prompts_from_token_rows
 from lightning_eagle.inference import evaluate_acceptance
+from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS
 
 SYNTHETIC = {"vocab_size": 512, "bos_token_id": 256, "eos_token_id": 258, "pad_token_id": 511}
 CHATS = [
@@ -83,8 +88,8 @@ def test_token_prompts_sampling_and_vocab_check():
 
 
 def test_cli_entry_point(tmp_path, chat_file, capsys):
+    from lightning_eagle.commands.acceptance import main
     from lightning_eagle.draft.export import export_draft
-    from lightning_eagle.inference.__main__ import main
     from lightning_eagle.k3.writer import save_k3_checkpoint
 
     target = make_target(seed=23, **SYNTHETIC)
@@ -101,6 +106,35 @@ def test_cli_entry_point(tmp_path, chat_file, capsys):
     assert "tau_real" in printed
     saved = json.loads(out_json.read_text())
     assert saved["num_prompts"] == 2 and saved["greedy_mismatches"] == 0
+
+
+def test_the_old_module_entry_point_names_the_new_one(tmp_path):
+    """``python -m lightning_eagle.inference`` (the command before it moved to ``commands``) runs nothing — it does
+    not even import torch: it names the new entry point and exits 2."""
+    out_json = tmp_path / "report.json"
+    repo_root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-X", "importtime", "-m", "lightning_eagle.inference", "--target", "quickstart"]
+    env = {**os.environ, "PYTHONPATH": str(repo_root)}
+    result = subprocess.run(
+        [*cmd, "--draft", str(tmp_path), "--json", str(out_json)],
+        cwd=repo_root, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "moved: use python -m lightning_eagle.commands.acceptance" in result.stderr
+    timings = [line for line in result.stderr.splitlines() if line.startswith("import time")]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in timings]
+    assert "lightning_eagle.inference" in imported and "torch" not in imported
+    assert not out_json.exists()
+
+
+def test_the_number_of_draft_tokens_is_the_callers():
+    """The draft config records only the architecture: K is an argument, never read from the draft."""
+    target = make_target(seed=22, **SYNTHETIC)
+    draft = make_draft(target, draft_vocab_size=320, seed=4)
+    with pytest.raises(TypeError, match="num_draft_tokens must be an int"):
+        evaluate_acceptance(target, draft, [[256, 259, 40]], max_new_tokens=2, num_draft_tokens=None)
+    report = evaluate_acceptance(target, draft, [[256, 259, 40]], max_new_tokens=2, compare_plain=False)
+    assert report.num_draft_tokens == DEFAULT_NUM_DRAFT_TOKENS == 7
 
 
 def test_callback_logs_tau_real_during_validation(tmp_path, chat_file):

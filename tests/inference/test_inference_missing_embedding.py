@@ -10,7 +10,6 @@ from inference_helpers import make_draft, make_target
 from safetensors.torch import load_file
 
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft, export_draft
-from lightning_eagle.draft.pretrained import load_pretrained
 from lightning_eagle.inference import DraftRunner, evaluate_acceptance, plain_generate, speculative_generate
 from lightning_eagle.training import ttt_loss
 from lightning_eagle.training.shift import shift_target_outputs
@@ -51,7 +50,7 @@ def trained(tmp_path_factory):
 
 def load_without_embedding(folder):
     with pytest.warns(UserWarning, match="no embed_tokens.weight"):
-        draft = load_pretrained(folder)
+        draft = KimiK3Eagle3Draft.from_pretrained(folder)
     assert bool(draft.embed_tokens.weight.isnan().all())
     return draft
 
@@ -120,4 +119,4 @@ def test_an_embedding_that_cannot_be_filled_raises(trained, tmp_path):
 def test_load_pretrained_checks_the_target_embedding_shape(trained):
     target, _, folder = trained
     with pytest.raises(ValueError, match=r"\(256, 64\).*\(256, 128\)"):
-        load_pretrained(folder, target_embedding=target.model.embed_tokens.weight[:, :64])
+        KimiK3Eagle3Draft.from_pretrained(folder, target_embedding=target.model.embed_tokens.weight[:, :64])

@@ -1,4 +1,5 @@
-"""The per-rank memory plan (:mod:`lightning_eagle.parallel.memory_plan`) against what the code really allocates.
+"""The per-rank memory plan (:mod:`lightning_eagle.parallel.memory_plan`) against what the code really allocates, and
+its command line (:mod:`lightning_eagle.commands.memory_plan`).
 
 Two checks of different strength:
 
@@ -32,10 +33,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_eagle.commands.memory_plan import main as memory_plan_main
+from lightning_eagle.commands.memory_plan import run_config_from_yaml
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
 from lightning_eagle.k3 import config_from_name
-from lightning_eagle.parallel import memory_plan as mp
-from lightning_eagle.parallel.memory import _SkipInit
+from lightning_eagle.parallel.memory import SkipInit
+from lightning_eagle.parallel.memory_plan import PlanInputs, build_plan
+from lightning_eagle.parallel.memory_plan.draft_backward import unroll_peak
+from lightning_eagle.parallel.memory_plan.draft_forward import DraftDims, unroll_shared_saved
+from lightning_eagle.parallel.memory_plan.draft_shapes import draft_shapes
+from lightning_eagle.parallel.memory_plan.target_forward import moe_layer_ws
 
 GB = 1e9
 REPO = Path(__file__).resolve().parents[2]
@@ -61,13 +68,12 @@ MEDIUM = {  # a wider k3-tiny (every K3 structure, MXFP4 experts), bf16, flash_l
 }  # fmt: skip
 
 
-def plan_inputs(spec: dict) -> mp.PlanInputs:
+def plan_inputs(spec: dict) -> PlanInputs:
     target = config_from_name(spec["target"], **spec["target_overrides"])
     draft = Eagle3DraftConfig.from_target_config(
-        target, **spec["draft_overrides"], aux_layer_ids=spec["aux"], draft_vocab_size=spec["N_d"],
-        ttt_steps=spec["K"],
+        target, **spec["draft_overrides"], aux_layer_ids=spec["aux"], draft_vocab_size=spec["N_d"]
     )  # fmt: skip
-    return mp.PlanInputs(
+    return PlanInputs(
         target=target, draft=draft, target_dtype=getattr(torch, spec["dtype"]),
         draft_dtype=getattr(torch, spec["draft_dtype"]), expert_storage=spec["storage"], batch_size=spec["B"],
         seq_len=spec["T"], ttt_steps=spec["K"], attention_backend=spec["backend"],
@@ -132,7 +138,7 @@ def _measure(spec: dict) -> dict:
         out = ttt_loss(
             draft, shift_left(ids), ones, shift_left(ones), cap.aux_hidden_states,
             final_hidden=shift_left(cap.final_hidden), lm_head_weight=target.lm_head.weight, teacher_fn=teacher,
-            draft_step_fn=step_fn,
+            ttt_steps=inputs.ttt_steps, draft_step_fn=step_fn,
         )  # fmt: skip
         del cap
         out.loss.backward()
@@ -208,13 +214,13 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def census(inputs: mp.PlanInputs) -> tuple[int, int]:
+def census(inputs: PlanInputs) -> tuple[int, int]:
     """(bytes kept after the unroll's forward, peak during forward + backward) of the real ``ttt_loss`` on meta, in the
     steady state of gradient accumulation (``.grad`` already allocated; not counted, like the inputs)."""
     from lightning_eagle.training.teacher import Teacher
     from lightning_eagle.training.ttt import checkpointed_draft_step, draft_step, ttt_loss
 
-    with torch.device("meta"), _SkipInit():
+    with torch.device("meta"), SkipInit():
         draft = KimiK3Eagle3Draft(inputs.draft, attention_backend=inputs.attention_backend).to(inputs.draft_dtype)
         for p in draft.parameters():
             if p.requires_grad:
@@ -234,11 +240,10 @@ def census(inputs: mp.PlanInputs) -> tuple[int, int]:
     return kept, mode.peak
 
 
-def k3_inputs(**changes) -> mp.PlanInputs:
+def k3_inputs(**changes) -> PlanInputs:
     target = config_from_name("k3")
-    steps = changes.get("ttt_steps", 7)
-    draft = Eagle3DraftConfig.from_target_config(target, draft_vocab_size=32000, ttt_steps=steps)
-    return replace(mp.PlanInputs(target=target, draft=draft), **changes)
+    draft = Eagle3DraftConfig.from_target_config(target, draft_vocab_size=32000)
+    return replace(PlanInputs(target=target, draft=draft), **changes)
 
 
 @pytest.mark.parametrize(
@@ -252,9 +257,9 @@ def k3_inputs(**changes) -> mp.PlanInputs:
 def test_unroll_terms_match_the_census_of_the_real_unroll(inputs):
     inputs = inputs()
     kept, peak = census(inputs)
-    d = mp.DraftDims.of(inputs)
-    shared = mp.unroll_shared_saved(d, inputs.target_dtype, inputs.draft_dtype)
-    planned = mp.unroll_peak(d, inputs.activation_checkpointing, shared, mp.draft_shapes(inputs.draft))
+    d = DraftDims.of(inputs)
+    shared = unroll_shared_saved(d, inputs.target_dtype, inputs.draft_dtype)
+    planned = unroll_peak(d, inputs.activation_checkpointing, shared, draft_shapes(inputs.draft))
     assert planned.kept_after_forward == pytest.approx(kept, rel=0.005)  # flash_lse: exact; eager: within 0.5 %
     assert planned.peak == pytest.approx(peak, rel=0.03)
 
@@ -267,7 +272,7 @@ def test_plan_matches_peak_memory_measured_on_cpu():
     85.3, target forward 122 / 121, one MoE layer 77.5 / 78.9, step 334 / 330, total 419 / 415."""
     measured = measure([TINY, MEDIUM])
     for spec, got in zip((TINY, MEDIUM), measured):
-        plan = mp.build_plan(plan_inputs(spec))
+        plan = build_plan(plan_inputs(spec))
         N, s = spec["B"] * spec["T"], plan.inputs.target_dtype.itemsize
         predicted = {
             "target forward": plan.phase_bytes("target forward"),  # the capture alone, on top of the weights
@@ -276,7 +281,7 @@ def test_plan_matches_peak_memory_measured_on_cpu():
         }
         if spec is MEDIUM:  # tiny: its ~6 MB of parameters and ~8 MB MoE layer are at the RSS noise level
             predicted["weights"] = plan.resident_bytes  # parameters, gradients, AdamW states
-            predicted["MoE layer"] = mp.moe_layer_ws(plan.inputs, N)[0] + N * plan.inputs.target.hidden_size * s
+            predicted["MoE layer"] = moe_layer_ws(plan.inputs, N)[0] + N * plan.inputs.target.hidden_size * s
         assert got["step"] > (3e8 if spec is MEDIUM else 1e8)  # far above the noise
         for key, value in predicted.items():
             assert value == pytest.approx(got[key], rel=0.15), (spec["target"], key, value, got[key])
@@ -294,20 +299,20 @@ def test_real_k3_dense_shards_and_the_config_numbers():
     assert full / GB == pytest.approx(113.5, rel=0.005)
     assert shapes.dense_held_bytes(torch.bfloat16, 64, sharded=True) == pytest.approx(full / 64, rel=0.01)
     assert shapes.dense_held_bytes(torch.bfloat16, 64, sharded=False) == full
-    run = mp.run_config_from_yaml("kimi_k3_eagle3", target_config="k3")
+    run = run_config_from_yaml("kimi_k3_eagle3", target_config="k3")
     assert (run.inputs.world, run.inputs.ep, run.inputs.dense_sharded) == (64, 64, True)
-    plan = mp.build_plan(run.inputs)
+    plan = build_plan(run.inputs)
     # The numbers the config header states.
     assert round(plan.peak_bytes / GB, 1) == 62.5 and plan.peak_phase == "draft unroll"
-    h200 = mp.run_config_from_yaml("kimi_k3_eagle3_141gb", target_config="k3").inputs
+    h200 = run_config_from_yaml("kimi_k3_eagle3_141gb", target_config="k3").inputs
     assert (h200.world, h200.ep, h200.dense_sharded) == (32, 32, True)
-    assert round(mp.build_plan(h200).peak_bytes / GB, 1) == 86.9
-    assert round(mp.build_plan(replace(h200, world=16, ep=16)).peak_bytes / GB, 1) == 135.6
+    assert round(build_plan(h200).peak_bytes / GB, 1) == 86.9
+    assert round(build_plan(replace(h200, world=16, ep=16)).peak_bytes / GB, 1) == 135.6
 
 
 # ---- the command line ------------------------------------------------------------------------------------------------
 def run_cli(capsys, *args: str) -> tuple[int, list[str], str]:
-    code = mp.main(list(args))
+    code = memory_plan_main(list(args))
     captured = capsys.readouterr()
     return code, captured.out.strip().splitlines(), captured.err
 
@@ -320,6 +325,22 @@ def test_cli_fits_and_does_not_fit(capsys):
                              "--ep", "8", "--max-nodes", "8")  # fmt: skip
     assert code == 0 and lines[-1].startswith("does not fit: peak ")
     assert lines[-1].endswith("smallest fit: 7 nodes x 8 GPUs (world 56) with expert_parallel_size 56 (peak 66.0 GB)")
+
+
+def test_old_spelling_names_the_new_command():
+    """``python -m lightning_eagle.parallel.memory`` (the old spelling) exits 2 naming the new command, without
+    importing the command side."""
+    probe = (
+        "import runpy, sys\n"
+        "try:\n"
+        "    runpy.run_module('lightning_eagle.parallel.memory', run_name='__main__')\n"
+        "except SystemExit as exit:\n"
+        "    print(exit.code, sorted(m for m in sys.modules if m.startswith('lightning_eagle.commands')))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert result.stdout.strip().splitlines()[-1] == "2 []", result.stderr[-3000:]
+    assert "moved: use python -m lightning_eagle.commands.memory_plan (or lightning-eagle memory-plan)" in result.stderr
 
 
 def test_cli_target_fallback_is_stated(capsys):
@@ -340,6 +361,9 @@ def test_cli_target_fallback_is_stated(capsys):
         (lambda c: c["model"].update(attention_backend="sdpa_mask"), "model.attention_backend"),
         (lambda c: c["trainer"]["strategy"]["init_args"].update(expert_parallel_size=48),
          "trainer.strategy.init_args.expert_parallel_size"),
+        (lambda c: c["trainer"]["strategy"]["init_args"].update(expert_parallel_size="many"),
+         "trainer.strategy.init_args.expert_parallel_size"),  # refused by the CLI's parser, named the same way
+        (lambda c: c["model"].update(ttt_step=7), "model.ttt_step"),  # a misspelt option
     ],
 )  # fmt: skip
 def test_cli_bad_config_names_the_field(capsys, tmp_path, edit, field):
@@ -360,18 +384,18 @@ def test_dense_sharding_and_draft_sharding_defaults(tmp_path):
     del config["trainer"]["strategy"]["init_args"]["target_shard_dense"]
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    inputs = mp.run_config_from_yaml(path, target_config="k3").inputs
+    inputs = run_config_from_yaml(path, target_config="k3").inputs
     assert inputs.dense_sharded and not inputs.draft_shard  # the strategy's default: on when world > 1
-    alone = mp.run_config_from_yaml(path, target_config="k3", world=1, ep=1).inputs
+    alone = run_config_from_yaml(path, target_config="k3", world=1, ep=1).inputs
     assert not alone.dense_sharded
-    forced = mp.run_config_from_yaml(path, target_config="k3", shard_dense=False).inputs
+    forced = run_config_from_yaml(path, target_config="k3", shard_dense=False).inputs
     assert not forced.dense_sharded
 
 
 def test_packaged_k3_configs_parse(capsys):
     import yaml
 
-    from lightning_eagle.cli import main
+    from lightning_eagle.commands.cli import main
 
     for name, nodes, ep in (("kimi_k3_eagle3", 8, 64), ("kimi_k3_eagle3_141gb", 4, 32)):
         with pytest.raises(SystemExit):

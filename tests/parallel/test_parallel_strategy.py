@@ -3,6 +3,8 @@ sampler, state-dict guard, gradient-averaging hook. The multi-process behaviour 
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import sys
 from unittest.mock import MagicMock
 
@@ -13,7 +15,9 @@ from torch import nn
 
 import lightning_eagle.k3.loader as loader
 from lightning_eagle.k3 import KimiK3ForCausalLM, config_from_name
+from lightning_eagle.k3.target_spec import TargetSpec
 from lightning_eagle.parallel.launcher import ExpertParallelLauncher
+from lightning_eagle.parallel.layout import LAYOUT_SETTINGS, RUN_TIME_FACTS, HasTargetSpec, ParallelLayout
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
 
 
@@ -33,6 +37,29 @@ def opened(monkeypatch):
 
 def _trainer(strategy, devices=2, **kwargs):
     return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, **kwargs)
+
+
+# ---- the layout settings are ParallelLayout's fields ----------------------------------------------------------------
+
+
+def test_layout_keywords_are_the_layouts_fields():
+    """LightningCLI types ``--trainer.strategy.init_args.*`` from the strategy's signature, so the layout settings
+    are spelled out there; they must be exactly ParallelLayout's settings: names, order, annotations, defaults."""
+    fields = [f for f in dataclasses.fields(ParallelLayout) if f.name not in RUN_TIME_FACTS]
+    assert tuple(f.name for f in fields) == LAYOUT_SETTINGS
+    params = inspect.signature(ExpertParallelStrategy.__init__).parameters
+    layout_params = [p for name, p in params.items() if name in LAYOUT_SETTINGS]
+    assert [p.name for p in layout_params] == list(LAYOUT_SETTINGS)
+    assert [p.annotation for p in layout_params] == [f.type for f in fields]
+    assert [p.default for p in layout_params] == [f.default for f in fields]
+    own = {"self", "start_method", "save_distributed_checkpoint", "process_group_backend", "timeout"}
+    assert set(params) - set(LAYOUT_SETTINGS) == own  # no layout setting outside ParallelLayout
+    assert not set(RUN_TIME_FACTS) & set(params)  # facts are learnt at run time, never configured
+
+
+def test_every_layout_keyword_reaches_the_layout():
+    values = {"expert_parallel_size": 2, "target_dispatcher": "torch", "target_shard_dense": True}
+    assert ExpertParallelStrategy(**values).layout == ParallelLayout(**values)
 
 
 # ---- construction-time refusals ------------------------------------------------------------------------------------
@@ -91,12 +118,12 @@ def test_half_precision_plugins_are_refused(precision, opened):
 
 
 class NamesItsTarget(L.LightningModule):
-    """Exposes ``target_path`` so the strategy can gate the target config before any process starts."""
+    """Declares its target (``target_spec``, :class:`HasTargetSpec`) so the strategy can gate it against the layout
+    before any process starts."""
 
-    def __init__(self, target_path, aux_layer_ids=None):
+    def __init__(self, target_spec: TargetSpec | None):
         super().__init__()
-        self.target_path = target_path
-        self.aux_layer_ids = aux_layer_ids
+        self.target_spec = target_spec
         self.draft = nn.Linear(2, 2)
 
     def configure_model(self):
@@ -113,9 +140,12 @@ class NamesItsTarget(L.LightningModule):
 def test_target_gates_fire_in_the_main_process_before_any_weight_is_read(
     golden_dir, opened, aux_layer_ids, ep, devices, fragment
 ):
+    """The spec's gates (aux ids) fire when the module declares its target, the layout's (expert count) when the
+    strategy launches: both in the main process, before any weight is read."""
     trainer = _trainer(ExpertParallelStrategy(expert_parallel_size=ep, start_method="fork"), devices=devices)
     with pytest.raises(ValueError, match=fragment):
-        trainer.fit(NamesItsTarget(str(golden_dir / "target"), aux_layer_ids))
+        spec = TargetSpec.from_checkpoint(golden_dir / "target", aux_layer_ids=aux_layer_ids)
+        trainer.fit(NamesItsTarget(spec))
     assert opened == []
 
 
@@ -124,8 +154,26 @@ def test_non_k3_target_is_refused_before_any_weight_is_read(tmp_path, opened):
     (tmp_path / "model.safetensors").write_bytes(b"never read")
     trainer = _trainer(ExpertParallelStrategy(expert_parallel_size=2, start_method="fork"))
     with pytest.raises(ValueError, match="not a Kimi K3 model"):
-        trainer.fit(NamesItsTarget(str(tmp_path)))
+        trainer.strategy.validate_target(str(tmp_path))
+    with pytest.raises(ValueError, match="model_type must be 'kimi_linear'.*'llama'"):
+        trainer.fit(NamesItsTarget(TargetSpec.from_checkpoint(tmp_path)))
     assert opened == []
+
+
+def test_only_a_module_that_declares_its_target_is_gated_in_the_main_process():
+    """The contract is declared (:class:`HasTargetSpec`), not guessed from attribute names: a module without a
+    ``target_spec`` (or with ``None``) is left to :meth:`expert_range`; the layout learns no expert count."""
+    strategy = ExpertParallelStrategy(expert_parallel_size=2)
+    undeclared = L.LightningModule()
+    undeclared.target_path, undeclared.aux_layer_ids = "no/such/dir", [1, 3, 9]  # the old duck-typed names
+    assert not isinstance(undeclared, HasTargetSpec)
+    strategy.validate_module(undeclared)
+    strategy.validate_module(NamesItsTarget(None))
+    assert strategy.layout.num_experts is None
+    strategy.validate_module(
+        NamesItsTarget(TargetSpec.from_config(config_from_name("k3-tiny"), aux_layer_ids=[1, 3, 5]))
+    )
+    assert strategy.layout.num_experts == 8
 
 
 def _fake_mesh(ep_size, ep_rank):
@@ -138,13 +186,13 @@ def _fake_mesh(ep_size, ep_rank):
 
 def test_expert_range_gates_the_expert_count_before_reading_weights(golden_dir, opened):
     """The module's loading path (`load_frozen_target`) asks `expert_range` first: an unsplittable count stops it."""
-    from lightning_eagle.training.module import load_frozen_target
+    from lightning_eagle.parallel.frozen_target import load_frozen_target
 
     trainer = _trainer(ExpertParallelStrategy(expert_parallel_size=3, start_method="fork"), devices=3)
     trainer.strategy._device_mesh = _fake_mesh(3, 0)
     owner = MagicMock(_trainer=trainer)
     with pytest.raises(ValueError, match=r"num_experts \(8\) is not divisible by expert_parallel_size \(3\)"):
-        load_frozen_target(owner, golden_dir / "target", 8, "float32", "dequantized")
+        load_frozen_target(owner, TargetSpec.from_checkpoint(golden_dir / "target", dtype="float32"))
     assert opened == []
 
 
@@ -232,6 +280,6 @@ def test_gradients_are_averaged_after_backward_and_before_the_step(monkeypatch):
         events.append("clip+step")
 
     strategy._precision_plugin = MagicMock(optimizer_step=precision_step)
-    model = NamesItsTarget("unused")
+    model = NamesItsTarget(None)
     strategy.optimizer_step(MagicMock(), closure=lambda: events.append("forward+backward"), model=model)
     assert events == ["forward+backward", "average", "clip+step"]

@@ -89,7 +89,7 @@ def _env() -> dict[str, str]:
 
 
 def _fit_one(config: Path, *extra: str) -> None:
-    cmd = [sys.executable, "-m", "lightning_eagle.cli", "fit", "--config", str(config), *extra]
+    cmd = [sys.executable, "-m", "lightning_eagle.commands", "fit", "--config", str(config), *extra]
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
 
@@ -99,7 +99,7 @@ def _fit_two_nodes(config: Path, *extra: str) -> list[str]:
     port = free_port()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
                 "--master_addr", "127.0.0.1", "--master_port", str(port)]  # fmt: skip
-    cli = ["-m", "lightning_eagle.cli", "fit", "--config", str(config), *extra]
+    cli = ["-m", "lightning_eagle.commands", "fit", "--config", str(config), *extra]
     nodes = [
         subprocess.Popen(
             [*torchrun, "--node_rank", str(node), *cli],

@@ -21,9 +21,10 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lightning_eagle.k3.target_spec import TargetSpec
+from lightning_eagle.parallel.frozen_target import load_frozen_target
 from lightning_eagle.parallel.shard import routed_expert_bytes
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
-from lightning_eagle.training.module import load_frozen_target
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,8 +35,8 @@ SEQ = 24
 class StandInModule(L.LightningModule):
     def __init__(self, target_path: str, out_dir: str) -> None:
         super().__init__()
-        self.target_path = target_path  # read by the strategy before any process starts
-        self.aux_layer_ids = AUX_IDS
+        # Declared target (HasTargetSpec): the strategy gates it before any process starts.
+        self.target_spec = TargetSpec.from_checkpoint(target_path, dtype="float32", aux_layer_ids=AUX_IDS)
         self.out_dir = out_dir
         self.strict_loading = False  # the checkpoint holds only the draft
         gen = torch.Generator().manual_seed(0)
@@ -52,7 +53,7 @@ class StandInModule(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.target is None:  # idempotent: Lightning calls it once per stage
-            self.target = load_frozen_target(self, self.target_path, 8, "float32", "dequantized")
+            self.target = load_frozen_target(self, self.target_spec)
 
     def state_dict(self, *args, **kwargs):
         state = super().state_dict(*args, **kwargs)
@@ -143,11 +144,12 @@ def test_each_rank_holds_half_of_the_experts_and_the_torch_dispatcher(runs):
     assert single["dispatch"] == ["function"]  # world size 1: the local dispatch stays
 
 
-def test_rank0_draft_returns_to_the_main_process(runs):
+def test_rank0_draft_returns_to_the_main_process(runs, golden_dir):
     r0 = runs["ep2"][0]
+    initial = StandInModule(str(golden_dir / "target"), "").draft.state_dict()
     for key, value in r0["draft"].items():
         torch.testing.assert_close(r0["main_process_draft"][key], value, atol=0, rtol=0)
-        assert not torch.equal(value, StandInModule("", "").draft.state_dict()[key])  # it did train
+        assert not torch.equal(value, initial[key])  # it did train
 
 
 def test_sampler_shards_over_the_whole_world(runs):

@@ -1,12 +1,13 @@
 """``validate_layout`` / ``validate_target_config``: every refusal of ``eagle3_training.md`` §11 and issue #5 item 3
-raises the named exception with a message that names the setting (a pure function: no processes)."""
+raises the named exception with a message that names the setting (pure functions: no processes). The layout's
+settings are ``ParallelLayout``'s fields and every layout is validated when built, so a refused one cannot exist."""
 
 from __future__ import annotations
 
 import pytest
 
 from lightning_eagle.k3 import config_from_name
-from lightning_eagle.parallel import UnsupportedLayoutError, validate_layout, validate_target_config
+from lightning_eagle.parallel import ParallelLayout, UnsupportedLayoutError, validate_layout, validate_target_config
 
 VALID = dict(world_size=4, num_experts=8, expert_parallel_size=2)
 
@@ -32,14 +33,14 @@ REFUSALS = [
 @pytest.mark.parametrize(("overrides", "exc", "fragments"), REFUSALS, ids=lambda v: str(v)[:40])
 def test_refusals_name_the_setting(overrides, exc, fragments):
     with pytest.raises(exc) as err:
-        validate_layout(**{**VALID, **overrides})
+        ParallelLayout(**{**VALID, **overrides})
     for fragment in fragments:
         assert fragment in str(err.value)
 
 
 def test_unsupported_layouts_are_both_value_and_not_implemented_errors():
     with pytest.raises(UnsupportedLayoutError) as err:
-        validate_layout(**VALID, tensor_parallel_size=2)
+        ParallelLayout(**VALID, tensor_parallel_size=2)
     assert isinstance(err.value, ValueError) and isinstance(err.value, NotImplementedError)
 
 
@@ -54,7 +55,16 @@ def test_unsupported_layouts_are_both_value_and_not_implemented_errors():
     ],
 )
 def test_supported_layouts_pass(layout):
-    assert validate_layout(**layout) is None
+    assert validate_layout(ParallelLayout(**layout)) is None
+
+
+def test_the_validator_judges_a_layout_built_without_it():
+    """``validate_layout`` is the layout's own check, not only its constructor's: a copy that skipped
+    ``__post_init__`` is refused by name as well."""
+    layout = ParallelLayout(**VALID)
+    object.__setattr__(layout, "p_eagle", True)
+    with pytest.raises(UnsupportedLayoutError, match="p_eagle=True"):
+        validate_layout(layout)
 
 
 def test_target_config_must_be_kimi_linear():

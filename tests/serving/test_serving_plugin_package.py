@@ -30,7 +30,7 @@ def test_entry_point_and_architecture_name():
 def test_the_library_never_imports_vllm():
     code = (
         "import sys, lightning_eagle, lightning_eagle.serving, lightning_eagle.serving.vllm_plugin, "
-        "lightning_eagle.draft.export, lightning_eagle.cli; assert 'vllm' not in sys.modules, 'vllm imported'"
+        "lightning_eagle.draft.export, lightning_eagle.commands.cli; assert 'vllm' not in sys.modules, 'vllm imported'"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

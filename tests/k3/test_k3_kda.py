@@ -69,10 +69,10 @@ def test_module_chunk_vs_naive_with_masks_forward_and_backward():
 
 
 def test_auto_is_the_chunked_path_where_fla_cannot_run(monkeypatch):
-    """Without fla (CPU), ``auto`` is ``chunk`` and never reads the KDA check record (`check_kda.py`)."""
-    from lightning_eagle.k3 import check_kda
+    """Without fla (CPU), ``auto`` is ``chunk`` and never reads the KDA check record (`kda_records.py`)."""
+    from lightning_eagle.k3 import kda_records
 
-    monkeypatch.setattr(check_kda, "passed_kda_backends", lambda device: pytest.fail("record consulted"))
+    monkeypatch.setattr(kda_records, "passed_kda_backends", lambda device: pytest.fail("record consulted"))
     x = torch.randn(2, 19, 128)
     torch.testing.assert_close(_kda(backend="auto")(x), _kda(backend="chunk")(x), rtol=0, atol=0)
 

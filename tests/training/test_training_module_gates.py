@@ -55,9 +55,11 @@ def test_missing_target_is_named(tmp_path):
         Eagle3Module(**module_kwargs(tmp_path))
 
 
-def test_ttt_steps_reaches_draft_and_metrics(target_dir):
+def test_ttt_steps_reaches_the_metrics_and_stays_out_of_the_draft_config(target_dir):
+    """A training setting: the unroll and its metrics get it, the draft's architecture record does not hold it."""
     module = Eagle3Module(**module_kwargs(target_dir, ttt_steps=4))
-    assert module.draft_config.ttt_steps == 4 and module.train_metrics.ttt_steps == module.val_metrics.ttt_steps == 4
+    assert module.train_metrics.ttt_steps == module.val_metrics.ttt_steps == 4
+    assert "ttt_steps" not in module.draft_config.to_dict() and "step_decay" not in module.draft_config.to_dict()
 
 
 def test_layout_settings_are_not_module_arguments():

@@ -19,7 +19,7 @@ PREDS = [[1, 2, 0, 3, 0], [2, 2, 3, 1, 0], [0, 1, 0, 0, 0]]  # the draft's greed
 class FakeDraft:
     """Duck-typed draft whose step-k logits put their maximum on ``PREDS[k]``."""
 
-    config = SimpleNamespace(ttt_steps=3, step_decay=0.8)
+    config = SimpleNamespace()
     selected_token_ids = torch.arange(4)
     t2d = torch.tensor([True, True, True, True, False, False])
 
@@ -40,7 +40,7 @@ def hand_case():
     target_logits = torch.nn.functional.one_hot(torch.tensor([TOP]), 6).float() * 8
     ids = torch.zeros(1, 5, dtype=torch.long)
     return ttt_loss(FakeDraft(), ids, torch.ones(1, 5), torch.tensor([LOSS_MASK]), torch.zeros(1, 5, 4),
-                    target_logits, draft_step_fn=fake_step)  # fmt: skip
+                    target_logits, ttt_steps=3, step_decay=0.8, draft_step_fn=fake_step)  # fmt: skip
 
 
 def test_hand_computed_counts_and_tau():

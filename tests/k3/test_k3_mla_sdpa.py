@@ -8,8 +8,15 @@ from torch.profiler import profile
 from lightning_eagle.inference.target_cache import MLALayerCache
 from lightning_eagle.k3 import KimiK3ForCausalLM, config_from_name
 from lightning_eagle.k3.layer import build_mla
-from lightning_eagle.k3.model import attention_mask_for_mla, set_attn_implementation
-from lightning_eagle.ops.mla import NoPEMLA, causal_additive_mask, causal_allowed_mask, eager_attention, sdpa_attention
+from lightning_eagle.k3.model import attention_mask_for_mla, set_backends
+from lightning_eagle.ops.mla import (
+    MLA_BACKEND,
+    NoPEMLA,
+    causal_additive_mask,
+    causal_allowed_mask,
+    eager_attention,
+    sdpa_attention,
+)
 
 T = 12
 
@@ -42,7 +49,7 @@ def _masks():
 def _both(attn, x, mask=None, cache_factory=None):
     out = {}
     for name in ("eager", "sdpa"):
-        attn.attn_implementation = name
+        attn.mla_backend = name
         out[name] = attn(x, mask) if cache_factory is None else cache_factory(attn)
     return out["eager"], out["sdpa"]
 
@@ -69,10 +76,10 @@ def test_sdpa_cache_continuation_equals_full_eager():
     """Prefill 7 tokens, extend by 4 (several queries after a prefix), then by 1: the rows equal the full forward."""
     attn = _mla()
     x = torch.randn(2, T, 128)
-    attn.attn_implementation = "eager"
+    attn.mla_backend = "eager"
     full = attn(x)
     for name in ("sdpa", "eager"):
-        attn.attn_implementation = name
+        attn.mla_backend = name
         cache = MLALayerCache()
         parts = [attn(x[:, :7], cache=cache), attn(x[:, 7:11], cache=cache), attn(x[:, 11:], cache=cache)]
         torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
@@ -103,7 +110,7 @@ def test_sdpa_backward_equals_eager(kind):
     mask = _masks()[kind]
     grads = {}
     for name in ("eager", "sdpa"):
-        attn.attn_implementation = name
+        attn.mla_backend = name
         attn.zero_grad()
         xi = x.clone().requires_grad_()
         (attn(xi, mask) * torch.linspace(-1, 1, 128)).sum().backward()
@@ -137,7 +144,7 @@ def test_sdpa_bf16_module_within_tolerance():
     attn = _mla()
     x = torch.randn(2, T, 128)
     mask = _masks()["packed documents"]
-    attn.attn_implementation = "eager"
+    attn.mla_backend = "eager"
     reference = attn.double()(x.double(), mask).float()
     attn.bfloat16()
     eager, sdpa = (o.float() for o in _both(attn, x.bfloat16(), mask))
@@ -160,17 +167,39 @@ def test_cpu_sdpa_runs_the_fused_kernel(kind):
 def test_model_switch_and_default():
     model = KimiK3ForCausalLM(config_from_name("k3-tiny")).init_weights(0).freeze()
     mlas = [m for m in model.modules() if isinstance(m, NoPEMLA)]
-    assert mlas and all(m.attn_implementation == "sdpa" for m in mlas)
+    assert mlas and all(m.mla_backend == "auto" for m in mlas)
+    assert MLA_BACKEND.resolve("auto", torch.device("cpu")) == "sdpa"  # the default runs the fused kernels
     ids = torch.randint(0, 256, (2, T))
     docs = torch.tensor([[1] * 5 + [2] * 7, [1] * 9 + [0] * 3])
-    sdpa = model(ids, docs).logits
-    assert set_attn_implementation(model, "eager") is model
-    assert all(m.attn_implementation == "eager" for m in mlas)
+    default = model(ids, docs).logits
+    assert set_backends(model, mla_backend="sdpa") is model
+    assert torch.equal(model(ids, docs).logits, default)
+    assert set_backends(model, mla_backend="eager") is model
+    assert all(m.mla_backend == "eager" for m in mlas)
     valid = docs.bool()
-    torch.testing.assert_close(sdpa[valid], model(ids, docs).logits[valid], rtol=1e-4, atol=1e-4)
-    built_eager = KimiK3ForCausalLM(config_from_name("k3-tiny"), attn_implementation="eager")
-    assert all(m.attn_implementation == "eager" for m in built_eager.modules() if isinstance(m, NoPEMLA))
-    with pytest.raises(ValueError, match="attn_implementation"):
-        set_attn_implementation(model, "flash")
-    with pytest.raises(ValueError, match="attn_implementation"):
-        mlas[0].attn_implementation = "flash"
+    torch.testing.assert_close(default[valid], model(ids, docs).logits[valid], rtol=1e-4, atol=1e-4)
+    built_eager = KimiK3ForCausalLM(config_from_name("k3-tiny"), mla_backend="eager")
+    assert all(m.mla_backend == "eager" for m in built_eager.modules() if isinstance(m, NoPEMLA))
+    with pytest.raises(ValueError, match="unknown MLA attention backend 'flash': mla_backend must be one of auto"):
+        set_backends(model, mla_backend="flash")
+    assert all(m.mla_backend == "eager" for m in mlas)  # a refused name changes nothing
+    with pytest.raises(ValueError, match="mla_backend must be one of"):
+        mlas[0].mla_backend = "flash"
+
+
+def test_the_old_attn_implementation_spelling_fails_naming_mla_backend():
+    config = config_from_name("k3-tiny")
+    with pytest.raises(TypeError, match="'attn_implementation' was renamed 'mla_backend'"):
+        KimiK3ForCausalLM(config, attn_implementation="eager")
+    with pytest.raises(TypeError, match="'attn_implementation' was renamed 'mla_backend'"):
+        KimiK3ForCausalLM.from_pretrained("quickstart", attn_implementation="eager")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'attn_impl'"):
+        KimiK3ForCausalLM(config, attn_impl="eager")
+    attn = _mla()
+    with pytest.raises(TypeError, match="'attn_implementation' was renamed 'mla_backend'"):
+        NoPEMLA(64, 64, 2, 16, 8, 8, 4, 8, attn_implementation="eager")
+    with pytest.raises(AttributeError, match="'attn_implementation' was renamed 'mla_backend'"):
+        attn.attn_implementation = "eager"  # would otherwise be stored silently and switch nothing
+    with pytest.raises(AttributeError, match="'attn_implementation' was renamed 'mla_backend'"):
+        attn.attn_implementation  # noqa: B018
+    assert attn.mla_backend == "auto" and isinstance(attn.q_a_proj, torch.nn.Linear)  # other attributes unaffected

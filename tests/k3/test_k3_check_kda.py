@@ -11,18 +11,18 @@ import json
 import pytest
 import torch
 
-from lightning_eagle.k3 import check_kda, config_from_name, kda
-from lightning_eagle.k3.check_kda import (
+from lightning_eagle.commands.check_kda import main
+from lightning_eagle.k3 import config_from_name, kda, kda_records
+from lightning_eagle.k3.kda import KimiDeltaAttention, resolve_kda_backend
+from lightning_eagle.k3.kda_compare import compare_kda_backends
+from lightning_eagle.k3.kda_ops import chunk_kda
+from lightning_eagle.k3.kda_records import (
     CHECKS_ENV,
     KDACheckResult,
-    compare_kda_backends,
     device_class_key,
-    main,
     passed_kda_backends,
     record_kda_check,
 )
-from lightning_eagle.k3.kda import KimiDeltaAttention, resolve_kda_backend
-from lightning_eagle.k3.kda_ops import chunk_kda
 
 CPU = torch.device("cpu")
 
@@ -60,7 +60,7 @@ def test_a_backend_that_raises_fails_with_its_message():
 def test_the_record_is_written_atomically(record_path, monkeypatch):
     record_kda_check(CPU, [KDACheckResult("chunk", 1e-6, 1e-3, True)])
     before = record_path.read_text()
-    real_atomic_file = check_kda.atomic_file
+    real_atomic_file = kda_records.atomic_file
 
     @contextlib.contextmanager
     def crashing_atomic_file(path):
@@ -70,7 +70,7 @@ def test_the_record_is_written_atomically(record_path, monkeypatch):
             assert record_path.read_text() == before  # the new content is not under the final name yet
             raise KeyboardInterrupt  # the writer dies before the rename
 
-    monkeypatch.setattr(check_kda, "atomic_file", crashing_atomic_file)
+    monkeypatch.setattr(kda_records, "atomic_file", crashing_atomic_file)
     with pytest.raises(KeyboardInterrupt):
         record_kda_check(CPU, [KDACheckResult("chunk", 1.0, 1e-3, False)])
     assert record_path.read_text() == before
@@ -124,5 +124,5 @@ def test_auto_picks_fla_after_a_recorded_pass(record_path, fake_fla, monkeypatch
     record_kda_check(CPU, [KDACheckResult("fla_chunk", 1e-6, 1e-3, True)])
     assert resolve_kda_backend("auto", CPU) == "fla_chunk"  # chunk kernel preferred once both passed
     # a pass is valid only for the device class it was recorded on (here: another fla version)
-    monkeypatch.setattr(check_kda, "_version", lambda distribution: "9.9.9")
+    monkeypatch.setattr(kda_records, "_version", lambda distribution: "9.9.9")
     assert resolve_kda_backend("auto", CPU) == "chunk"

@@ -4,8 +4,8 @@ import pytest
 import torch
 from k3_helpers import tiny_model
 
+from lightning_eagle.aux_layers import resolve_aux_layer_ids
 from lightning_eagle.k3.attn_res import attn_res_mix, res_weights
-from lightning_eagle.k3.capture import resolve_aux_layer_ids
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ host sync on the grouped_mm backend."""
 import pytest
 import torch
 
+from lightning_eagle.k3 import KimiK3ForCausalLM, config_from_name
 from lightning_eagle.k3.experts import RoutedExperts, grouped_mm_runs
 from lightning_eagle.k3.mxfp4 import decode_mxfp4, encode_mxfp4
 
@@ -50,7 +51,7 @@ def test_grouped_equals_loop_fp32(storage, expert_range, backend):
     if backend == "grouped_mm" and not grouped_mm_runs(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no CPU grouped_mm")
     experts = _experts(storage, expert_range)
-    experts.grouped_backend = backend
+    experts.experts_backend = backend
     z, idx, w = _routes()
     got, want = experts(z, idx, w), experts.forward_naive(z, idx, w)
     assert got.dtype == torch.float32 and got.shape == (24, H)
@@ -66,7 +67,7 @@ def test_grouped_equals_loop_bf16(storage, expert_range, backend):
     experts = _experts(storage, expert_range)
     if storage == "dequantized":
         experts.bfloat16()
-    experts.grouped_backend = backend
+    experts.experts_backend = backend
     z, idx, w = _routes()
     got, want = experts(z.bfloat16(), idx, w), experts.forward_naive(z.bfloat16(), idx, w)
     assert got.dtype == torch.float32
@@ -78,7 +79,7 @@ def test_grouped_equals_loop_bf16(storage, expert_range, backend):
 def test_grouped_backward_equals_loop_on_a_slice(backend):
     """Rows of remote experts (uninitialised in grouped_mm's output) must not leak into any gradient."""
     experts = _experts("dequantized", (2, 4))
-    experts.grouped_backend = backend
+    experts.experts_backend = backend
     z, idx, w = _routes()
     grads = []
     for fn in (experts.forward, experts.forward_naive):
@@ -106,7 +107,7 @@ def test_grouped_mm_backend_host_syncs(monkeypatch, expert_range, syncs):
     assert grouped_mm_runs(torch.device("cpu"), torch.float32)  # torch 2.13 CPU has grouped_mm: the test must run
     experts = _experts("mxfp4", expert_range)
     z, idx, w = _routes()
-    experts.grouped_backend = "grouped_mm"
+    experts.experts_backend = "grouped_mm"
     want = experts(z, idx, w)  # the probe (one read-back per device and dtype) runs here, before the patch
     calls: list[str] = []
 
@@ -135,7 +136,7 @@ def test_auto_backend_falls_back_to_bmm_for_unaligned_widths():
     gate_up, down = experts.stacked_weights(z.dtype)
     assert experts.resolve_backend(z, gate_up, down) == "bmm"
     torch.testing.assert_close(experts(z, idx, w), experts.forward_naive(z, idx, w), rtol=1e-5, atol=1e-5)
-    experts.grouped_backend = "grouped_mm"
+    experts.experts_backend = "grouped_mm"
     with pytest.raises(RuntimeError, match="grouped_mm does not run here"):
         experts(z, idx, w)
 
@@ -150,3 +151,17 @@ def test_stacked_mxfp4_decode_equals_per_expert_decode():
     assert stacked.shape == (E, H, INTER)
     with pytest.raises(ValueError, match="scale byte 255"):
         decode_mxfp4(experts.down_packed, torch.full_like(experts.down_scale, 255))
+
+
+def test_experts_backend_names_are_checked_and_the_old_attribute_fails():
+    experts = _experts("dequantized")
+    with pytest.raises(ValueError, match="unknown routed-experts backend 'loop': experts_backend must be one of"):
+        experts.experts_backend = "loop"  # never a silent fall-through to the padded bmm
+    assert experts.experts_backend == "auto"
+    with pytest.raises(AttributeError, match="'grouped_backend' was renamed 'experts_backend'"):
+        experts.grouped_backend = "bmm"
+    with pytest.raises(AttributeError, match="'grouped_backend' was renamed 'experts_backend'"):
+        experts.grouped_backend  # noqa: B018
+    model = KimiK3ForCausalLM(config_from_name("k3-tiny"), experts_backend="bmm")
+    routed = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    assert routed and all(m.experts_backend == "bmm" for m in routed)

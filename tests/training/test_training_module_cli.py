@@ -7,7 +7,7 @@ import torch
 import yaml
 
 from lightning_eagle import KimiK3Eagle3Draft
-from lightning_eagle.cli import main
+from lightning_eagle.commands.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 

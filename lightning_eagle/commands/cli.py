@@ -1,0 +1,168 @@
+"""The command line: ``lightning-eagle {fit,validate,test,predict} --config …`` (LightningCLI) and the commands that
+are not Trainer methods (:data:`COMMANDS`, one module each in this package):
+
+* ``export CHECKPOINT OUT_DIR``: serving export of a trained draft;
+* ``dump --config …``: the target's features, stored once for offline training;
+* ``data-report --config …``: what the data looks like before a run;
+* ``regenerate IN OUT --target …|--base-url …``: assistant turns rewritten by the target;
+* ``memory-plan --config … --gpu-gb 80``: the peak memory per GPU a config's run will need.
+
+* ``--config quickstart`` (or ``kimi_k3_eagle3``) names a config shipped inside the package.
+* Everything a run writes lives under ``trainer.default_root_dir`` unless a path is set explicitly: checkpoints in
+  ``<root>/checkpoints``, CSV logs in ``<root>/logs/version_N``, the export in ``<root>/draft``.
+* A user error (missing file, malformed row, bad value, refused layout, unreadable checkpoint) prints one message
+  and exits with status 1; ``--debug`` or ``LIGHTNING_EAGLE_DEBUG=1`` shows the full traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_eagle.checkpoint_io import CheckpointLoadError, load_checkpoint_file
+from lightning_eagle.configs import resolve_config_path
+from lightning_eagle.errors import DEBUG_ENV, RunError, debug_requested
+from lightning_eagle.training.module import Eagle3Module
+from lightning_eagle.training.progress import StepProgressBar
+from lightning_eagle.training.summary import fit_summary
+
+_CHAT_DATA = "lightning_eagle.data.datamodule.ChatDataModule"
+# Commands that are not Trainer methods: name -> (module under lightning_eagle.commands, --help line, whether its
+# `main` builds a LightningCLI and so needs to know if the words came from sys.argv). `main` runs them before
+# LightningCLI parses anything.
+COMMANDS = {
+    "export": ("export", "Write a trained draft for serving", False),
+    "dump": ("dump", "Store the frozen target's features once, to train drafts without it", True),
+    "data-report": (
+        "data_report",
+        "Rows, refusals, lengths, roles and draft-vocab coverage of the config's data",
+        True,
+    ),
+    "regenerate": ("regenerate", "Rewrite a chat file's assistant turns with the target's own responses", False),
+    "memory-plan": ("memory_plan", "Peak memory per GPU of a config's run, before any GPU is rented", False),
+}
+# Errors that mean "the input is wrong", not "the library is broken": shown as one line without a traceback.
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+               PermissionError, MisconfigurationException, RunError)  # fmt: skip
+
+
+class Eagle3CLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        # `data:` is a ChatDataModule unless it names another class (HiddenStateDataModule for dumped features).
+        parser.set_defaults({"trainer.precision": "32-true", "data": {"class_path": _CHAT_DATA}})
+
+    def _add_subcommands(self, parser, **kwargs) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        for name, (_, text, _) in COMMANDS.items():
+            stub = argparse.ArgumentParser(prog=name, add_help=False)
+            parser._subcommands_action.add_subcommand(name, stub, help=text)
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI merges the checkpoint's hyperparameters over the parsed config here, which silently drops
+        # explicit command-line values (--model.ttt_steps 3) and lets a checkpoint switch the run's draft
+        # architecture. Ours: the run's config is what runs; the module refuses a checkpoint whose draft differs
+        # (Eagle3Module.on_load_checkpoint). The file is still read now, so a missing or truncated one is refused by
+        # name before the run writes its config and logs.
+        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
+        if not ckpt_path or ckpt_path in ("last", "best", "hpc", "registry"):
+            return
+        if not Path(ckpt_path).exists():
+            raise CheckpointLoadError(f"checkpoint {str(ckpt_path)!r} does not exist")
+        if Path(ckpt_path).is_file():
+            load_checkpoint_file(ckpt_path, weights_only=True)  # raises CheckpointLoadError naming the file
+
+    def instantiate_trainer(self, **kwargs):
+        """The step-counting progress bar unless the config disables the bar or brings its own."""
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = list(config.get("callbacks") or [])
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            config["callbacks"] = [*callbacks, StepProgressBar()]
+        return super().instantiate_trainer(**kwargs)
+
+    def after_instantiate_classes(self) -> None:
+        """Put the outputs a config leaves unset under ``trainer.default_root_dir``."""
+        trainer, root = self.trainer, self.trainer.default_root_dir
+        config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand
+        configured_logger = config["trainer"].get("logger")
+        if configured_logger in (None, True) and trainer.loggers:  # Lightning's default logger: make it CSV
+            trainer.loggers = [CSVLogger(root, name="logs")]
+        for callback in trainer.callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+                callback.dirpath = os.path.realpath(os.path.join(root, "checkpoints"))
+
+    def after_fit(self) -> None:
+        if self.trainer.is_global_zero:
+            print(fit_summary(self.trainer))
+
+
+# What every run config describes: an Eagle3Module and any LightningDataModule (`data.class_path`).
+RUN_CLASSES = {"model_class": Eagle3Module, "datamodule_class": LightningDataModule, "subclass_mode_data": True}
+
+
+def make_cli(words: list[str], from_sys_argv: bool, run: bool = True) -> Eagle3CLI:
+    if from_sys_argv:  # LightningCLI warns when given `args` while sys.argv has arguments too
+        sys.argv[1:] = words
+    return Eagle3CLI(
+        **RUN_CLASSES, run=run, args=None if from_sys_argv else words, save_config_kwargs={"overwrite": True}
+    )
+
+
+def resolve_packaged_configs(words: list[str]) -> list[str]:
+    out = list(words)
+    for i, word in enumerate(out):
+        if word == "--config" and i + 1 < len(out):
+            out[i + 1] = str(resolve_config_path(out[i + 1]))
+        elif word.startswith("--config="):
+            out[i] = "--config=" + str(resolve_config_path(word.split("=", 1)[1]))
+    return out
+
+
+def _run(words: list[str], from_sys_argv: bool) -> int | None:
+    """Run the command ``words`` name; a command's integer return value is its exit status."""
+    command = COMMANDS.get(words[0]) if words else None
+    if command is None:
+        return make_cli(resolve_packaged_configs(words), from_sys_argv)
+    module = importlib.import_module(f"lightning_eagle.commands.{command[0]}")
+    return module.main(words[1:], from_sys_argv) if command[2] else module.main(words[1:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Lightning 2.6 with torch 2.13 warns about its own use of a deprecated pytree API on every run: not actionable.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    words = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in words or debug_requested()
+    words = [w for w in words if w != "--debug"]
+    try:
+        status = _run(words, from_sys_argv=argv is None)
+    except USER_ERRORS as exc:
+        if debug:
+            raise
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        print(f"error: {_real_reason(message)}\n(full traceback: add --debug or set {DEBUG_ENV}=1)", file=sys.stderr)
+        raise SystemExit(1) from None
+    if isinstance(status, int) and status:
+        raise SystemExit(status)
+
+
+def _real_reason(message: str) -> str:
+    """jsonargparse reports a constructor's own error inside "Does not validate against any of the Union subtypes"
+    (one bullet per candidate type): the data module's reason first, the rest after it."""
+    if not message.startswith("Does not validate against any of the Union subtypes"):
+        return message
+    bullets = [line[4:] for line in message.splitlines() if line.startswith("  - ")]
+    reasons = [b for b in bullets if not b.startswith("Expected a <class 'NoneType'>")]
+    return f"{reasons[0]}\n({message})" if reasons else message
+
+
+if __name__ == "__main__":
+    main()

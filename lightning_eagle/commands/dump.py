@@ -1,0 +1,37 @@
+"""``lightning-eagle dump --config … [--out DIR]``: the config's target, taps and data run once through Lightning
+``predict`` with a shard writer, so drafts can then train from the features without the target."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lightning_eagle.commands.config_cli import chat_data_cli
+from lightning_eagle.dtypes import DTYPES
+from lightning_eagle.features import format as fmt
+from lightning_eagle.features.dump import dump_features
+
+
+def main(words: list[str] | None = None, from_sys_argv: bool = False) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lightning-eagle dump",
+        description="Run the frozen target once over the config's data and store its EAGLE-3 features "
+        "(then train with target_source: features, e.g. configs/quickstart_offline.yaml). Other options "
+        "(--config, --trainer.*, --model.*, --data.*) are read as for fit.",
+    )
+    parser.add_argument("--out", default=None, help="features folder (default: <trainer.default_root_dir>/features)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="storage dtype of the states")
+    parser.add_argument("--hidden-states", default="prenorm", choices=fmt.HIDDEN_KINDS,
+                        help="final hidden before (default) or after the final norm")  # fmt: skip
+    parser.add_argument("--shard-rows", type=int, default=256, help="rows per shard file")
+    args, rest = parser.parse_known_args(sys.argv[1:] if words is None else words)
+    cli = chat_data_cli(rest, from_sys_argv or words is None, command="dump")
+    trainer = cli.trainer
+    out = Path(args.out) if args.out else Path(trainer.default_root_dir) / "features"
+    dump_features(cli.model.target_spec, cli.datamodule, out, trainer, dtype=args.dtype,
+                  hidden_states=args.hidden_states, shard_rows=args.shard_rows)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

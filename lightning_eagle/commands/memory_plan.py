@@ -1,0 +1,325 @@
+"""``lightning-eagle memory-plan --config run.yaml --gpu-gb 80`` (also ``python -m
+lightning_eagle.commands.memory_plan``): the per-GPU peak memory of a draft-training run config, before any GPU is
+rented.
+
+The config is read by the ``lightning-eagle`` command's own LightningCLI parser (:class:`Eagle3CLI`), stopped after
+parsing: jsonargparse applies the classes' own defaults and types (``Trainer``, ``Eagle3Module``, the data module,
+``ExpertParallelStrategy``) exactly as ``fit`` would, and nothing is instantiated (no target is read, no trainer is
+built). What it leaves to the plan — counts that must be positive, a GPU count, what the plan does not model — is
+checked here. Every refusal names the config field (:class:`PlanConfigError`) and exits 2; the plan itself (library
+code taking typed inputs) is :mod:`lightning_eagle.parallel.memory_plan`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jsonargparse import Namespace
+
+from lightning_eagle.commands.cli import RUN_CLASSES, Eagle3CLI
+from lightning_eagle.configs import resolve_config_path
+from lightning_eagle.draft.config import Eagle3DraftConfig
+from lightning_eagle.dtypes import DTYPES
+from lightning_eagle.k3.config import KimiK3TextConfig
+from lightning_eagle.k3.target_spec import TargetSpec
+from lightning_eagle.parallel.memory import GB
+from lightning_eagle.parallel.memory_plan import PlanInputs, build_plan, format_plan, plan_header, smallest_fit, verdict
+from lightning_eagle.parallel.strategy import ExpertParallelStrategy
+from lightning_eagle.training.module import MODULE_DRAFT_FIELDS
+
+
+class PlanConfigError(ValueError):
+    """A run config the plan cannot read; the message names the field."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass
+class RunConfig:
+    """A run config read for planning: the inputs, GPUs per node, and notices to print (e.g. a preset fallback)."""
+
+    inputs: PlanInputs
+    gpus_per_node: int
+    nodes: int
+    notices: list[str] = field(default_factory=list)
+    target_label: str = ""
+
+
+# ---- the config, parsed by the CLI's own parser ----------------------------------------------------------------------
+class _ParseOnlyCLI(Eagle3CLI):
+    """``Eagle3CLI`` with ``run=False`` that stops once the config is parsed: no seed, no instantiation."""
+
+    def parse_arguments(self, parser, args) -> None:
+        # `args` always comes from `parse_config` (never sys.argv): parsed directly, without LightningCLI's warning
+        # about `args` given while sys.argv has words too.
+        try:
+            self.config = parser.parse_args(args)
+        except argparse.ArgumentError as err:
+            raise PlanConfigError(*_jsonargparse_refusal(str(err))) from None
+
+    def _parse_ckpt_path(self) -> None:  # run=False: no subcommand, so no checkpoint to read
+        pass
+
+    def _set_seed(self) -> None:
+        pass
+
+    def before_instantiate_classes(self) -> None:
+        pass
+
+    def instantiate_classes(self) -> None:
+        pass
+
+    def after_instantiate_classes(self) -> None:
+        pass
+
+
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)":\n\s*(.*)')
+_UNKNOWN_OPTION = re.compile(r"Group '([^']+)' does not accept option '([^']+)'|Option '([^']+)' is not accepted")
+
+
+def _jsonargparse_refusal(message: str) -> tuple[str, str]:
+    """(field, reason) of a jsonargparse error. A value inside a ``class_path`` section (the strategy, the data
+    module) is reported as the outer key and then the inner one: ``trainer.strategy`` → ``expert_parallel_size``."""
+    keys = _PARSER_KEY.findall(message)
+    if keys:
+        name = keys[0][0] + "".join(f".init_args.{key}" for key, _ in keys[1:])
+        return name, keys[-1][1].strip()
+    unknown = _UNKNOWN_OPTION.search(message)
+    if unknown:
+        group, option, top = unknown.groups()
+        return (f"{group}.{option}" if group else top), "not an option of this run config"
+    if message.startswith("Unexpected config"):
+        return "--config", "the file does not hold a mapping"
+    return "--config", message
+
+
+def parse_run_config(path: str | Path) -> Namespace:
+    """The config as ``lightning-eagle fit --config path`` parses it (defaults applied, types checked), unbuilt."""
+    file = Path(resolve_config_path(str(path)))
+    if not file.is_file():
+        raise PlanConfigError("--config", f"{str(path)!r} is not a file")
+    cli = _ParseOnlyCLI(
+        **RUN_CLASSES, run=False, args=["--config", str(file)], load_from_checkpoint_support=False,
+        parser_kwargs={"exit_on_error": False},
+    )  # fmt: skip
+    for section in ("trainer", "model", "data"):
+        if not isinstance(cli.config.get(section), Namespace):
+            raise PlanConfigError(section, f"expected a mapping, got {cli.config.get(section)!r}")
+    return cli.config
+
+
+# ---- what the parser leaves to the plan ------------------------------------------------------------------------------
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanConfigError(name, f"expected a positive integer, got {value!r}")
+    return value
+
+
+def _devices(value: Any) -> int | None:
+    """GPUs per node from ``trainer.devices``: an int, a list of ids or a digit string; None when not a count."""
+    if isinstance(value, list):
+        return len(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    return None
+
+
+def _is_expert_parallel(strategy: Any) -> bool:
+    if not isinstance(strategy, Namespace):  # a registered name ("auto", "ddp", …): every rank holds the target
+        return False
+    module, _, name = strategy.class_path.rpartition(".")
+    return issubclass(getattr(importlib.import_module(module), name), ExpertParallelStrategy)
+
+
+def _target_config(value: str, fallback: str | None) -> tuple[KimiK3TextConfig, Path | None, str, list[str]]:
+    """The target's text config from ``model.target`` (a checkpoint folder or ``quickstart``), else — stated, never
+    silent — from ``--target-config`` (a preset name, a folder or a ``config.json``)."""
+    from lightning_eagle.k3 import PRESETS, config_from_name
+    from lightning_eagle.k3.loader import CheckpointError, named_target, read_config
+
+    folder = named_target(value)
+    try:
+        if (folder / "config.json").is_file():
+            return read_config(folder), folder, f"{value} ({folder / 'config.json'})", []
+        if fallback is None:
+            raise PlanConfigError(
+                "model.target",
+                f"checkpoint folder {str(folder)!r} is not here (no config.json); pass --target-config with a preset "
+                f"({', '.join(sorted(PRESETS))}; the published K3 is 'k3') or a config.json to plan with it",
+            )
+        if fallback in PRESETS:
+            config, label = config_from_name(fallback), f"preset {fallback!r}"
+        else:
+            path = Path(fallback)
+            config, label = read_config(path.parent if path.name == "config.json" else path), str(path)
+    except CheckpointError as err:
+        raise PlanConfigError("model.target", str(err)) from None
+    notice = f"note: model.target {value!r} is not here (no config.json); planning with --target-config {label}"
+    return config, None, label, [notice]
+
+
+def _target_spec(model: Namespace, fallback: str | None) -> tuple[TargetSpec, str, list[str]]:
+    """The run's target as the module would build it (``TargetSpec``: taps, stream, dtype, expert storage)."""
+    config, path, label, notices = _target_config(model.target, fallback)
+    try:
+        spec = TargetSpec.from_config(
+            config, path=path, dtype=model.target_dtype, expert_storage=model.target_expert_storage,
+            aux_layer_ids=model.aux_layer_ids, aux_stream=model.aux_stream,
+        )  # fmt: skip
+    except ValueError as err:
+        raise PlanConfigError("model.target" if "model_type" in str(err) else "model.aux_layer_ids", str(err)) from None
+    return spec, label, notices
+
+
+def _layout(
+    trainer: Namespace, world: int | None, ep: int | None, shard_dense: bool | None
+) -> tuple[int, int, int, int, bool | None]:
+    """(nodes, GPUs per node, world, expert-parallel size, dense sharding) from ``trainer`` and the overrides."""
+    nodes = _positive_int(trainer.num_nodes, "trainer.num_nodes")
+    gpus = _devices(trainer.devices)
+    if world is None:
+        if gpus is None:
+            raise PlanConfigError("trainer.devices", f"{trainer.devices!r} is not a GPU count; "
+                                  "set a number or pass --world")  # fmt: skip
+        world = nodes * gpus
+    gpus = gpus or max(world // nodes, 1)
+    if _is_expert_parallel(trainer.strategy):
+        settings = trainer.strategy.init_args
+        if ep is None:
+            ep = _positive_int(settings.expert_parallel_size, "trainer.strategy.init_args.expert_parallel_size")
+        if shard_dense is None:
+            shard_dense = settings.get("target_shard_dense")
+    else:  # single device / DDP: every rank holds the whole target
+        ep = 1 if ep is None else ep
+        shard_dense = False if shard_dense is None else shard_dense
+    return nodes, gpus, world, ep, shard_dense
+
+
+def _plan_refusal(message: str) -> str:
+    """The field a ``PlanInputs`` refusal is about."""
+    if "attention_backend" in message:
+        return "model.attention_backend"
+    if "expert_storage" in message:
+        return "model.target_expert_storage"
+    if message.startswith("draft "):
+        return "model.draft"
+    return "trainer.strategy.init_args.expert_parallel_size"
+
+
+def run_config_from_yaml(
+    path: str | Path,
+    *,
+    target_config: str | None = None,
+    world: int | None = None,
+    ep: int | None = None,
+    shard_dense: bool | None = None,
+    device: str = "cuda",
+    reserve_gb: float = 4.0,
+    moe_load_factor: float = 1.25,
+) -> RunConfig:
+    """Read a LightningCLI YAML (``trainer``, ``model``, ``data``) into :class:`PlanInputs`; whatever it leaves out
+    has the default of ``Trainer``, ``Eagle3Module``, the data module and ``ExpertParallelStrategy``."""
+    config = parse_run_config(path)
+    trainer, model, data = config.trainer, config.model, config.data.init_args
+    nodes, gpus, world, ep, shard_dense = _layout(trainer, world, ep, shard_dense)
+    if model.target_source != "online":
+        raise PlanConfigError("model.target_source", f"{model.target_source!r} is not modelled (only 'online')")
+    spec, label, notices = _target_spec(model, target_config)
+    overrides = dict(model.draft or {})
+    doubled = sorted(set(overrides) & set(MODULE_DRAFT_FIELDS))
+    if doubled:
+        raise PlanConfigError(f"model.draft.{doubled[0]}", f"set {MODULE_DRAFT_FIELDS[doubled[0]]} instead")
+    ttt_steps = _positive_int(model.ttt_steps, "model.ttt_steps")
+    for key in ("batch_size", "max_length"):
+        if key not in data:
+            raise PlanConfigError("data", f"{config.data.class_path} has no {key}: the plan needs it")
+    try:  # as Eagle3Module builds it
+        draft = Eagle3DraftConfig.from_target_config(
+            spec.config, **overrides, draft_vocab_size=data.get("draft_vocab_size"),
+            aux_hidden_state_stream=spec.aux_stream, aux_layer_ids=list(spec.aux_layer_ids),
+        )  # fmt: skip
+    except (TypeError, ValueError) as err:
+        raise PlanConfigError("model.draft", str(err)) from None
+    try:
+        inputs = PlanInputs.for_target(
+            spec, draft, world=world, ep=ep, shard_dense=shard_dense, draft_shard=model.draft_shard,
+            draft_dtype=DTYPES[model.draft_dtype], batch_size=_positive_int(data.batch_size, "data.batch_size"),
+            seq_len=_positive_int(data.max_length, "data.max_length"), ttt_steps=ttt_steps,
+            attention_backend=model.attention_backend,
+            activation_checkpointing=model.draft_activation_checkpointing,
+            accumulate_grad_batches=_positive_int(trainer.accumulate_grad_batches, "trainer.accumulate_grad_batches"),
+            teacher_vocab_chunk=_positive_int(model.teacher_vocab_chunk, "model.teacher_vocab_chunk"),
+            teacher_seq_chunk=_positive_int(model.teacher_seq_chunk, "model.teacher_seq_chunk"),
+            device=device, moe_load_factor=moe_load_factor, reserve_bytes=int(reserve_gb * GB),
+        )  # fmt: skip
+    except PlanConfigError:
+        raise
+    except ValueError as err:
+        raise PlanConfigError(_plan_refusal(str(err)), str(err)) from None
+    return RunConfig(inputs, gpus, nodes, notices, label)
+
+
+# ---- the command line ------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """Print the plan of a run config; the last line starts with ``fits`` or ``does not fit``. Exit 0 either way,
+    2 for a config the plan cannot read (the message names the field)."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-eagle memory-plan",
+        description="Per-GPU peak memory plan of a draft-training run config (LightningCLI YAML).",
+    )
+    parser.add_argument("--config", required=True, help="the run's YAML (a path or a packaged config name)")
+    parser.add_argument("--gpu-gb", type=float, default=80.0, help="memory per GPU in decimal GB (default 80)")
+    parser.add_argument("--target-config", help="preset name (e.g. 'k3') or config.json used when model.target is "
+                        "not a checkpoint folder on this machine")  # fmt: skip
+    parser.add_argument("--world", type=int, help="override the world size (num_nodes x devices)")
+    parser.add_argument("--ep", type=int, help="override expert_parallel_size")
+    parser.add_argument(
+        "--shard-dense",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="override target_shard_dense (default: the config's, else on when world > 1)",
+    )
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="kernels to plan for")
+    parser.add_argument("--reserve-gb", type=float, default=4.0, help="runtime reserve per GPU (default 4)")
+    parser.add_argument(
+        "--moe-load-factor",
+        type=float,
+        default=1.25,
+        help="rows the hottest EP rank receives relative to uniform routing (default 1.25)",
+    )
+    parser.add_argument("--max-nodes", type=int, default=256, help="largest cluster the fit search tries")
+    args = parser.parse_args(argv)
+    try:
+        run = run_config_from_yaml(
+            args.config, target_config=args.target_config, world=args.world, ep=args.ep,
+            shard_dense=args.shard_dense, device=args.device, reserve_gb=args.reserve_gb,
+            moe_load_factor=args.moe_load_factor,
+        )  # fmt: skip
+    except PlanConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    gpu_bytes = int(args.gpu_gb * GB)
+    plan = build_plan(run.inputs)
+    fit = None
+    if plan.peak_bytes > gpu_bytes:
+        fit = smallest_fit(run.inputs, gpu_bytes, run.gpus_per_node, args.max_nodes)
+    for notice in run.notices:
+        print(notice)
+    print(plan_header(run.inputs, run.nodes, run.gpus_per_node, run.target_label))
+    print(format_plan(plan))
+    print(verdict(plan, gpu_bytes, fit, run.gpus_per_node, args.max_nodes))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""``TargetSpec``: everything a run knows about its frozen K3 target before any weight is read, built and validated
+once, then shared (the module, the feature dumper, the strategy's main-process gate, the memory plan).
+
+A spec is frozen: a setting that reaches it has been checked (text ``model_type``, aux ids against the depth, the
+stream name, dtype and expert-storage names), so no reader validates it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from lightning_eagle.aux_layers import AUX_STREAMS, resolve_aux_layer_ids, validate_aux_layer_ids
+from lightning_eagle.dtypes import DTYPES
+from lightning_eagle.k3.config import KimiK3TextConfig, text_config_from_dict
+from lightning_eagle.k3.loader import config_fingerprint, resolve_target_path
+
+EXPERT_STORAGES = ("dequantized", "mxfp4")
+TARGET_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSpec:
+    """The frozen target of a run.
+
+    Args:
+        path: the checkpoint folder (None for a plan made from a named config, which reads no weights).
+        config: the resolved **text** config (a multimodal outer config is unwrapped once, here).
+        fingerprint: 16 hex digits of ``config.json`` that checkpoints and feature dumps record and compare.
+        dtype: the target's compute dtype name (its fp32 islands stay fp32 whatever it is).
+        expert_storage: ``"dequantized"`` or ``"mxfp4"`` (routed experts kept packed).
+        aux_layer_ids: the three 0-based taps, in ``fc``'s input order (the default ``[1, L//2-1, L-4]`` resolved).
+        aux_stream: ``"prefix"`` or ``"mixed"`` (which AttnRes stream the taps read).
+    """
+
+    path: Path | None
+    config: KimiK3TextConfig
+    fingerprint: str | None
+    dtype: str = "bfloat16"
+    expert_storage: str = "dequantized"
+    aux_layer_ids: tuple[int, int, int] = (1, 45, 89)
+    aux_stream: str = "prefix"
+
+    def __post_init__(self) -> None:
+        model_type = getattr(self.config, "model_type", None)
+        if model_type != "kimi_linear":
+            raise ValueError(
+                f"the target's text config must have model_type 'kimi_linear' (Kimi K3), got {model_type!r}"
+            )
+        ids = tuple(validate_aux_layer_ids(self.aux_layer_ids, self.config.num_hidden_layers))
+        object.__setattr__(self, "aux_layer_ids", ids)
+        for name, value, allowed in (
+            ("aux_stream", self.aux_stream, AUX_STREAMS),
+            ("dtype", self.dtype, TARGET_DTYPES),
+            ("expert_storage", self.expert_storage, EXPERT_STORAGES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"target {name}={value!r} is unknown; choose one of {list(allowed)}")
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        target: str | Path,
+        *,
+        dtype: str = "bfloat16",
+        expert_storage: str = "dequantized",
+        aux_layer_ids=None,
+        aux_stream: str = "prefix",
+    ) -> TargetSpec:
+        """The spec of a checkpoint folder (or ``"quickstart"``): only its ``config.json`` is read."""
+        path = resolve_target_path(target)
+        text = (path / "config.json").read_text()
+        config = text_config_from_dict(json.loads(text), source=str(path))
+        return cls.from_config(
+            config, path=path, fingerprint=config_fingerprint(text), dtype=dtype, expert_storage=expert_storage,
+            aux_layer_ids=aux_layer_ids, aux_stream=aux_stream,
+        )  # fmt: skip
+
+    @classmethod
+    def from_config(
+        cls,
+        config: KimiK3TextConfig,
+        *,
+        path: Path | None = None,
+        fingerprint: str | None = None,
+        dtype: str = "bfloat16",
+        expert_storage: str = "dequantized",
+        aux_layer_ids=None,
+        aux_stream: str = "prefix",
+    ) -> TargetSpec:
+        """A spec from a config object (a named preset for the memory plan, or a config already read)."""
+        if getattr(config, "model_type", None) == "kimi_linear":  # else __post_init__ refuses the config by name
+            aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, config.num_hidden_layers)
+        return cls(
+            path=path, config=config, fingerprint=fingerprint, dtype=dtype, expert_storage=expert_storage,
+            aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids is not None else (), aux_stream=aux_stream,
+        )  # fmt: skip
+
+    @property
+    def torch_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_experts(self) -> int:
+        return self.config.num_experts

@@ -1,0 +1,201 @@
+"""The plan: each phase's terms, summed into a :class:`MemoryPlan` whose peak is ``resident + max over phases``
+(:func:`build_plan`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_eagle.parallel.memory import GB, TargetShapes, routed_bytes, target_shapes
+from lightning_eagle.parallel.memory_plan.draft_backward import unroll_peak
+from lightning_eagle.parallel.memory_plan.draft_forward import DraftDims, cache_entry_kept, unroll_shared_saved
+from lightning_eagle.parallel.memory_plan.draft_shapes import DraftShapes, draft_shapes
+from lightning_eagle.parallel.memory_plan.inputs import FP32, PHASES, RESIDENT, PlanInputs, dtype_name
+from lightning_eagle.parallel.memory_plan.target_forward import target_forward_peak
+
+
+@dataclass(frozen=True)
+class Term:
+    """One line of the plan: bytes a rank holds for ``name`` during ``phase`` (or for the whole run: resident)."""
+
+    phase: str
+    name: str
+    nbytes: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every term of one rank's plan; the peak is the resident bytes plus the largest phase."""
+
+    inputs: PlanInputs
+    terms: tuple[Term, ...]
+
+    def phase_bytes(self, phase: str) -> int:
+        return sum(t.nbytes for t in self.terms if t.phase == phase)
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.phase_bytes(RESIDENT)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(PHASES, key=self.phase_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.resident_bytes + self.phase_bytes(self.peak_phase)
+
+    def term(self, name: str) -> Term:
+        return next(t for t in self.terms if t.name == name)
+
+
+def _gb(n: int) -> str:
+    return f"{n / GB:.2f} GB"
+
+
+def _shard(numel: int, inputs: PlanInputs) -> int:
+    """Elements of a draft tensor set one rank holds: all of them, or ``ceil(numel / world)`` with ``draft_shard``."""
+    return -(-numel // inputs.world) if inputs.draft_shard else numel
+
+
+def resident_terms(inputs: PlanInputs, target: TargetShapes, draft: DraftShapes) -> list[Term]:
+    c, t_dt, s = inputs.target, inputs.target_dtype, inputs.draft_dtype.itemsize
+    experts = c.num_experts // inputs.ep
+    full = target.dense_bytes(t_dt)
+    dense_note = (
+        f"FSDP2 shards over {inputs.world} ranks (full copy {_gb(full)})" if inputs.dense_sharded else "replicated"
+    )
+    storage = "MXFP4 packed" if inputs.expert_storage == "mxfp4" else f"dequantised {dtype_name(t_dt)}"
+    trainable = _shard(draft.trainable, inputs)
+    sharded = f", sharded over {inputs.world}" if inputs.draft_shard else ""
+    terms = [
+        Term(RESIDENT, "target dense weights", target.dense_held_bytes(t_dt, inputs.world, inputs.dense_sharded),
+             dense_note),
+        Term(RESIDENT, "target routed experts",
+             routed_bytes(target.routed_weights_per_expert * experts, t_dt, inputs.expert_storage),
+             f"{experts} experts/layer at expert_parallel_size {inputs.ep}, {storage}"),
+        Term(RESIDENT, "draft parameters", (trainable + draft.frozen) * s + draft.buffer_bytes,
+             f"{draft.trainable / 1e9:.3g} B trainable{sharded} + {draft.frozen / 1e9:.3g} B frozen embedding, "
+             f"{dtype_name(inputs.draft_dtype)}"),
+        Term(RESIDENT, "AdamW states", 2 * trainable * s,
+             f"exp_avg + exp_avg_sq in the parameter dtype ({dtype_name(inputs.draft_dtype)}; no fp32 master copy)"),
+    ]  # fmt: skip
+    if inputs.accumulate_grad_batches > 1:
+        terms.append(Term(RESIDENT, "gradients between micro-batches", trainable * s,
+                          f"accumulate_grad_batches={inputs.accumulate_grad_batches}"))  # fmt: skip
+    terms.append(Term(RESIDENT, "runtime reserve", inputs.reserve_bytes,
+                      "assumption: CUDA context, NCCL buffers, allocator fragmentation"))  # fmt: skip
+    return terms
+
+
+def target_forward_terms(inputs: PlanInputs, target: TargetShapes) -> list[Term]:
+    phase = PHASES[0]
+    peak = target_forward_peak(inputs, target)
+    where = {-1: "the embedding", inputs.target.num_hidden_layers: "the output mixer"}.get(peak.index)
+    where = where or f"layer {peak.index}"
+    terms = [
+        Term(phase, "residual stream, AttnRes bank, aux taps", peak.stream, f"at {where}"),
+        Term(phase, "layer working set", peak.working_set, f"{peak.kind} of {where}"
+             + (f"; {peak.moe_note}" if peak.moe_note and "MoE" in peak.kind else "")),
+    ]  # fmt: skip
+    if inputs.dense_sharded:
+        terms.append(Term(phase, "dense weights gathered (FSDP2)", peak.gathers, gather_note(inputs, target, where)))
+    return terms
+
+
+def gather_note(inputs: PlanInputs, target: TargetShapes, where: str) -> str:
+    """Which FSDP2 gather dominates: the running unit + the prefetched next one (largest adjacent pair), the
+    embedding (with layer 0 prefetched) or the teacher's ``lm_head`` (its own phase)."""
+    dt = inputs.target_dtype
+    units = [target.embedding, *target.layers]
+    pairs = [
+        (units[i].nbytes(dt) + units[i + 1].nbytes(dt), units[i].name, units[i + 1].name) for i in range(len(units) - 1)
+    ]
+    size, first, second = max(pairs)
+    head = target.lm_head.nbytes(dt)
+    return (
+        f"running unit + prefetched next at {where}; largest pair {first} + {second} {_gb(size)}, "
+        f"lm_head {_gb(head)} (teacher phase)"
+    )
+
+
+def target_outputs_bytes(inputs: PlanInputs) -> int:
+    """The capture's ``[B,T,3H]`` aux states and post-norm final hidden, plus the shifted copy of the hidden that
+    ``shared_step`` hands to the unroll; alive through the teacher and the whole unroll."""
+    N, H = inputs.batch_size * inputs.seq_len, inputs.target.hidden_size
+    return (3 + 2) * N * H * inputs.target_dtype.itemsize
+
+
+def teacher_terms(inputs: PlanInputs, target: TargetShapes) -> list[Term]:
+    """``training/teacher.py`` ``teacher_from_hidden``: fp32 ``[B·T, N_d]`` draft-vocab logits, then their softmax;
+    per ``seq_chunk × vocab_chunk`` tile the logits in the target dtype, their fp32 copy and the draft columns."""
+    phase = PHASES[1]
+    N, V, N_d = inputs.batch_size * inputs.seq_len, inputs.target.vocab_size, inputs.draft.draft_vocab_size
+    st = inputs.target_dtype.itemsize
+    rows, cols = min(inputs.teacher_seq_chunk, N), min(inputs.teacher_vocab_chunk, V)
+    tile = rows * cols * (st + FP32) + rows * min(cols, N_d) * FP32
+    logits = N * N_d * FP32
+    terms = [
+        Term(phase, "target outputs (aux states, final hidden)", target_outputs_bytes(inputs)),
+        Term(phase, "teacher logits + softmax / chunk tile", logits + max(tile, logits) + V * 8,
+             f"[B,T,N_d] fp32 ×2 (tile {rows}×{cols}: {_gb(tile)})"),
+    ]  # fmt: skip
+    if inputs.dense_sharded and target.lm_head.params:
+        terms.append(Term(phase, "lm_head gathered for the teacher", target.lm_head.nbytes(inputs.target_dtype)))
+    return terms
+
+
+def draft_unroll_terms(inputs: PlanInputs, draft: DraftShapes) -> list[Term]:
+    phase = PHASES[2]
+    d = DraftDims.of(inputs)
+    ckpt = inputs.activation_checkpointing
+    shared = unroll_shared_saved(d, inputs.target_dtype, inputs.draft_dtype)
+    up = unroll_peak(d, ckpt, shared, draft)
+    cache = sum(cache_entry_kept(d, k, ckpt) for k in range(d.K))
+    N = d.BT
+    saved_note = "checkpointed: step inputs, final norms, log-probs" if ckpt else "what autograd saves per step"
+    terms = [
+        Term(phase, "target outputs + teacher", target_outputs_bytes(inputs) + N * d.N_d * FP32 + N * 9,
+             "aux, final hidden ×2, teacher probs [B,T,N_d] fp32"),
+        Term(phase, "TTT K/V cache", cache, f"{d.K} steps"),
+        Term(phase, "TTT saved activations", up.kept_after_forward - cache - shared,
+             f"{saved_note}; {d.K} steps at T={d.T}, backend {d.backend}"),
+        Term(phase, "TTT mask + fc input cast", shared, "[B,1,T,T] additive mask in the draft dtype"),
+        Term(phase, "backward: gradient buffers + working set", up.peak - up.kept_after_forward,
+             f"peak at {up.where}"),
+    ]  # fmt: skip
+    if inputs.draft_shard:
+        gathered = (draft.trainable - _shard(draft.trainable, inputs)) * d.s
+        terms.append(Term(phase, "draft parameters gathered (FSDP2)", gathered))
+    return terms
+
+
+def optimizer_terms(inputs: PlanInputs, draft: DraftShapes) -> list[Term]:
+    """AdamW: the CUDA default (foreach) takes ``sqrt(exp_avg_sq)`` of every parameter at once; the CPU default
+    (single tensor) one parameter at a time (the sqrt and its quotient). The module's grad-norm logging copies one
+    gradient at a time to fp32 before the step."""
+    phase = PHASES[3]
+    s = inputs.draft_dtype.itemsize
+    trainable = _shard(draft.trainable, inputs)
+    largest = _shard(draft.largest_trainable, inputs)
+    foreach = trainable * s if inputs.device != "cpu" else 2 * largest * s
+    terms = [Term(phase, "optimizer temporaries", max(foreach, largest * FP32),
+                  "foreach AdamW: sqrt(exp_avg_sq) of every parameter" if inputs.device != "cpu" else
+                  "single-tensor AdamW")]  # fmt: skip
+    if inputs.accumulate_grad_batches == 1:
+        terms.append(Term(phase, "gradients", trainable * s))
+    return terms
+
+
+def build_plan(inputs: PlanInputs, target: TargetShapes | None = None, draft: DraftShapes | None = None) -> MemoryPlan:
+    """The per-rank plan of ``inputs``; pass precomputed shapes when planning many layouts of one run."""
+    target = target or target_shapes(inputs.target)
+    draft = draft or draft_shapes(inputs.draft)
+    terms = [
+        *resident_terms(inputs, target, draft),
+        *target_forward_terms(inputs, target),
+        *teacher_terms(inputs, target),
+        *draft_unroll_terms(inputs, draft),
+        *optimizer_terms(inputs, draft),
+    ]
+    return MemoryPlan(inputs, tuple(terms))
