@@ -49,6 +49,7 @@ import torch
 
 from lightning_eagle.aux_layers import validate_aux_layer_ids as validate_taps
 from lightning_eagle.draft.config import (
+    DEEPSEEK_MLA_LAYER_VALUES,
     DEFAULT_ROPE_THETA,
     FIELDS_FROM_TARGET,
     NUM_AUX_HIDDEN_STATES,
@@ -264,28 +265,11 @@ def config_from_json(data: dict[str, Any]) -> Eagle3DraftConfig:
 
 
 # ---- the engine format (deepseek_mla) -------------------------------------------------------------------------------
-# config.json fields the engines read, 1:1 with Eagle3DraftConfig.
+# config.json fields the engines read, 1:1 with Eagle3DraftConfig: the target-derived fields except the K3 layer's
+# (SiTU betas, NoPE, gate; the activation stays, ``silu``), and the draft's own.
 _ENGINE_FIELDS = (
-    "hidden_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "intermediate_size",
-    "hidden_act",
-    "rms_norm_eps",
-    "vocab_size",
-    "draft_vocab_size",
-    "target_hidden_size",
-    "rope_theta",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "fc_norm",
-    "norm_output",
+    *(name for name in FIELDS_FROM_TARGET if name not in set(DEEPSEEK_MLA_LAYER_VALUES) - {"hidden_act"}),
+    *("draft_vocab_size", "target_hidden_size", "rope_theta", "fc_norm", "norm_output"),
 )
 # Ours only (engines ignore them): what the draft was trained on, for re-import and re-export.
 _ENGINE_PROJECT_FIELDS = (
