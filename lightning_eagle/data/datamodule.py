@@ -156,6 +156,7 @@ class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
         self.render_options = {"thinking": thinking, "thinking_effort": thinking_effort}
         validate_render_options(**self.render_options)
 
+        self.tokenizer_setting = tokenizer  # as given: a name, a directory or a tokenizer object
         self.tokenizer: KimiTokenizer = resolve_tokenizer(tokenizer)
         self.recovery: LossMaskRecovery = self._select_recovery(loss_mask_recovery)
         mask_options = {

@@ -338,8 +338,7 @@ def _load_listing_bad_rows(dm: ChatDataModule, files: list[str]) -> TokenizedCha
 
 
 def _settings(dm: ChatDataModule) -> dict[str, Any]:
-    hp = dict(getattr(dm, "hparams", {}) or {})
-    tokenizer = hp.get("tokenizer", "")
+    tokenizer = dm.tokenizer_setting
     return {
         "train_files": list(dm.train_files),
         "val_files": list(dm.val_files),

@@ -41,6 +41,19 @@ class UnrollsDraftSteps(Protocol):
     def ttt_steps(self) -> int: ...
 
 
+@runtime_checkable
+class TrainsADraft(Protocol):
+    """What the callback reads of the training module (``Eagle3Module`` has it): the draft being trained, the frozen
+    target when it runs online (None with dumped features: the callback then loads its own), the draft's config
+    and this rank's expert slice (None = all experts: then only rank 0 needs to decode)."""
+
+    target: torch.nn.Module | None
+    draft: torch.nn.Module | None
+    draft_config: object
+
+    def expert_range(self) -> tuple[int, int] | None: ...
+
+
 def draft_steps(pl_module: pl.LightningModule, num_draft_tokens: int | None) -> int:
     """K for one acceptance run: the callback's own setting, else the module's training unroll."""
     if num_draft_tokens is not None:
@@ -116,18 +129,20 @@ class AcceptanceCallback(pl.Callback):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or trainer.current_epoch % self.every_n_epochs:
             return
-        target, draft = getattr(pl_module, "target", None), getattr(pl_module, "draft", None)
+        if not isinstance(pl_module, TrainsADraft):
+            raise TypeError(f"AcceptanceCallback needs a module that trains a draft (Eagle3Module), got {pl_module}")
+        target, draft = pl_module.target, pl_module.draft
         if target is None and draft is not None and self.target_path is not None:
             target = self._own_target(draft.fc.weight.device)
         if target is None or draft is None:
             return
-        expert_parallel = callable(getattr(pl_module, "expert_range", None)) and pl_module.expert_range() is not None
+        expert_parallel = pl_module.expert_range() is not None
         if trainer.global_rank != 0 and not expert_parallel:
             return
         prompts = self.prompts(trainer)
         if not prompts:
             return
-        draft_config = getattr(pl_module, "draft_config", None) or draft.config
+        draft_config = pl_module.draft_config or draft.config
         with torch.autocast(device_type=target.lm_head.weight.device.type, enabled=False):
             report = evaluate_acceptance(
                 target,
