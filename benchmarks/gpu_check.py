@@ -251,7 +251,7 @@ def golden_errors(model, inputs, expected, valid, reference, device) -> dict:
 # ---- (c) one K3-width piece of each layer kind ---------------------------------------------------------------------
 def keep_fp32_islands(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """Cast to ``dtype`` except the spec's fp32 parameters (``A_log``, ``dt_bias``, …), as the target loader does."""
-    from lightning_eagle.k3.model import is_fp32_parameter
+    from lightning_eagle.k3.fp32_parameters import is_fp32_parameter
 
     for name, p in module.named_parameters():
         if p.is_floating_point() and not is_fp32_parameter(name):

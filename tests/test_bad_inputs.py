@@ -397,7 +397,7 @@ def test_draft_export(tmp_path, draft_export, edit, entry, exc, fragments):
     assert not (tmp_path / "out").exists()
 
 
-# ---- command line: lightning_eagle.cli.main([...]) ------------------------------------------------------------------
+# ---- command line: lightning_eagle.commands.cli.main([...]) ---------------------------------------------------------
 FIT = ["fit", "--config", "$quickstart", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0",
        "--trainer.default_root_dir", "$root", "--data.train_files", "$rows", "--data.use_cache", "false"]  # fmt: skip
 

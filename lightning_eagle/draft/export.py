@@ -1,7 +1,8 @@
 """Write a draft in the serving layout (`eagle3_training.md` §14): ``config.json`` + ``model.safetensors``.
 
 The format follows the draft's architecture (:mod:`lightning_eagle.draft.serving_format`): a K3-faithful draft is
-written as ``Eagle3KimiK3ForCausalLM`` (no engine serves it; engine names are refused), a ``deepseek_mla`` draft as
+written as ``Eagle3KimiK3ForCausalLM`` (vLLM serves it through our plugin, :mod:`lightning_eagle.serving`), a
+``deepseek_mla`` draft as
 ``Eagle3DeepseekV2ForCausalLM`` in exactly the layout SGLang and vLLM load (bf16 by default, ``layers.0.*``,
 one-based aux ids). The engines feed that draft the target's *prefix* aux stream, so only a draft trained on
 ``aux_stream: prefix`` is exported in the engine format.

@@ -1,6 +1,7 @@
 """The serving export formats of the draft (`eagle3_training.md` §14): the exact key set with shapes and dtypes, and
 the ``config.json`` fields, in both directions. Writing is :mod:`lightning_eagle.draft.export`; reading is
-:mod:`lightning_eagle.draft.pretrained`.
+:meth:`~lightning_eagle.draft.KimiK3Eagle3Draft.from_pretrained` (checked by
+:func:`~lightning_eagle.draft.pretrained.check_export`).
 
 Two formats, one per draft architecture:
 

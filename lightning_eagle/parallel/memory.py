@@ -3,12 +3,12 @@
 Parameter shapes come from the real module tree (one decoder layer of each kind built on the meta device, with
 ``nn.init`` skipped), not from a second hand-written formula, so the counts cannot drift from the model. Bytes:
 
-* non-routed ("dense") weights: model dtype, except the fp32 islands (``A_log``, ``dt_bias``, router bias, conv
-  weights, ``o_norm``; :func:`~lightning_eagle.k3.model.is_fp32_parameter`). Replicated on every rank, or split over
+* non-routed ("dense") weights: model dtype, except the fp32 islands (``A_log``, ``dt_bias``, router bias, conv weights,
+  ``o_norm``; :func:`~lightning_eagle.k3.fp32_parameters.is_fp32_parameter`). Replicated on every rank, or split over
   the whole world by FSDP2 (:mod:`lightning_eagle.parallel.dense_shard`): every parameter of a unit (decoder layer,
-  embedding, ``lm_head``) is chunked along dim 0 like ``torch.chunk``, ``ceil(rows / world)`` rows per rank (the
-  first shard's padded size, which FSDP2 allocates on every rank); the root weights (final norm, AttnRes output
-  mixer) stay replicated;
+  embedding, ``lm_head``) is chunked along dim 0 like ``torch.chunk``, ``ceil(rows / world)`` rows per rank (the first
+  shard's padded size, which FSDP2 allocates on every rank); the root weights (final norm, AttnRes output mixer) stay
+  replicated;
 * routed experts per rank: ``E/ep`` experts × layers, either packed MXFP4 (0.5 B + 1 scale byte per 32 weights)
   or dequantised to the model dtype — what :class:`~lightning_eagle.k3.experts.RoutedExperts` holds.
 
@@ -30,8 +30,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from lightning_eagle.k3.config import MXFP4_GROUP, KimiK3TextConfig
+from lightning_eagle.k3.fp32_parameters import is_fp32_parameter
 from lightning_eagle.k3.layer import K3DecoderLayer
-from lightning_eagle.k3.model import is_fp32_parameter
 
 GB = 1e9  # decimal, as in the spec's tables
 ROUTED_PREFIX = "block_sparse_moe.experts."

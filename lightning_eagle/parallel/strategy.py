@@ -5,8 +5,9 @@ Layout: the world is a ``(data_parallel, expert_parallel)`` mesh, ``dp = world /
 consecutive (on GPUs: inside one node, where all-to-all is cheapest). Every rank
 
 * gets different tokens (the sampler shards over the whole world, not only over ``data_parallel``);
-* holds the replicated non-expert target weights plus its contiguous slice of routed experts (the module loads them
-  through :func:`~lightning_eagle.training.module.load_frozen_target`, which asks :meth:`expert_range`; only those
+* holds the non-expert target weights (FSDP2-sharded over all ranks by default when there is more than one) plus its
+  contiguous slice of routed experts (the module loads them through
+  :func:`~lightning_eagle.parallel.frozen_target.load_frozen_target`, which asks :meth:`expert_range`; only those
   expert bytes are read), with MoE layers exchanging tokens through the EP dispatcher;
 * holds a full replica of the draft whose gradients are averaged over the world before every optimizer step
   (:meth:`optimizer_step` wraps the closure; see :mod:`lightning_eagle.parallel.grad_sync`). A draft wrapped with

@@ -116,7 +116,7 @@ def test_an_embedding_that_cannot_be_filled_raises(trained, tmp_path):
         speculative_generate(target, load_without_embedding(folder), [1, 2, 3], 8, K)
 
 
-def test_load_pretrained_checks_the_target_embedding_shape(trained):
+def test_from_pretrained_checks_the_target_embedding_shape(trained):
     target, _, folder = trained
     with pytest.raises(ValueError, match=r"\(256, 64\).*\(256, 128\)"):
         KimiK3Eagle3Draft.from_pretrained(folder, target_embedding=target.model.embed_tokens.weight[:, :64])

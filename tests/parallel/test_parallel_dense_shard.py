@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_eagle.k3 import KimiK3ForCausalLM
+from lightning_eagle.k3.fp32_parameters import is_fp32_parameter
 from lightning_eagle.k3.loader import SafetensorsCheckpoint
-from lightning_eagle.k3.model import is_fp32_parameter
 from lightning_eagle.parallel.dense_shard import dense_bytes_held, gathered_weight, shard_dense_weights
 from lightning_eagle.parallel.dispatcher import TorchExpertDispatcher
 from lightning_eagle.parallel.local_launch import launch_local

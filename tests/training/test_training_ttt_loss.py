@@ -39,7 +39,7 @@ def test_one_step_run_equals_the_first_step_loss(make_draft, make_batch):
     draft = make_draft()
     batch = make_batch(draft.config)
     one, seven = ttt_loss(draft, **batch, ttt_steps=1), ttt_loss(draft, **batch)
-    assert seven.per_step_loss.shape == (7,)  # ttt_steps defaults to the draft config's 7
+    assert seven.per_step_loss.shape == (7,)  # ttt_steps defaults to settings.DEFAULT_TTT_STEPS (7)
     # exact: step 0 is the same computation on the same shapes whatever K is, and K=1 weighs it by 1/1
     assert torch.equal(one.loss, seven.per_step_loss[0]) and torch.equal(one.loss, one.per_step_loss[0])
 
