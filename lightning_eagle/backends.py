@@ -98,13 +98,11 @@ class RenamedSettings:
     renamed_settings: ClassVar[Mapping[str, str]] = {}
 
     def __getattr__(self, name: str) -> Any:
+        # nn.Module answers every submodule / parameter lookup here: one dict probe, then its own lookup
         new = type(self).renamed_settings.get(name)
         if new is not None:
             raise AttributeError(renamed_message(type(self).__name__, name, new))
-        fallback = getattr(super(), "__getattr__", None)
-        if fallback is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return fallback(name)
+        return super().__getattr__(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         new = type(self).renamed_settings.get(name)

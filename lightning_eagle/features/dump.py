@@ -86,8 +86,6 @@ class FeatureDumper(pl.LightningModule):
         if shard_rows < 1:
             raise ValueError(f"shard_rows must be positive, got {shard_rows}")
         self.target_spec = target_spec
-        self.target_path, self.target_config = target_spec.path, target_spec.config
-        self.aux_stream, self.aux_ids = target_spec.aux_stream, list(target_spec.aux_layer_ids)
         self.data, self.out_dir = datamodule, Path(out_dir)
         self.dtype_name, self.hidden_kind, self.shard_rows = dtype, hidden_states, shard_rows
         self.target = None
@@ -130,17 +128,17 @@ class FeatureDumper(pl.LightningModule):
         train_count = len(self.rows)
         self.rows += val_rows
         tokens = sum(int(r["input_ids"].numel()) for r in self.rows)
-        hidden = self.target_config.hidden_size
+        hidden, aux_ids = self.target_spec.config.hidden_size, list(self.target_spec.aux_layer_ids)
         mapping = data.vocab_mapping
         plan = {
             "format": fmt.FORMAT,
-            "target": fmt.target_fingerprint(self.target_path),
-            "aux_layer_ids": self.aux_ids,
-            "aux_stream": self.aux_stream,
+            "target": fmt.target_fingerprint(self.target_spec),
+            "aux_layer_ids": aux_ids,
+            "aux_stream": self.target_spec.aux_stream,
             "hidden_states": self.hidden_kind,
             "dtype": self.dtype_name,
             "hidden_size": hidden,
-            "num_aux_hidden_states": len(self.aux_ids),
+            "num_aux_hidden_states": len(aux_ids),
             "vocab_size": data.vocab_size,
             "pad_token_id": data.pad_token_id,
             "data": {
@@ -154,7 +152,7 @@ class FeatureDumper(pl.LightningModule):
             "shard_rows": self.shard_rows,
             "rows": {"train": train_count, "val": len(val_rows)},
             "tokens": tokens,
-            "bytes_per_token": fmt.bytes_per_token(hidden, len(self.aux_ids), self.dtype_name),
+            "bytes_per_token": fmt.bytes_per_token(hidden, len(aux_ids), self.dtype_name),
             "num_shards": max(1, math.ceil(len(self.rows) / self.shard_rows)),
         }
         return plan
@@ -226,10 +224,10 @@ class FeatureDumper(pl.LightningModule):
 
     @torch.no_grad()
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
-        prenorm = self.hidden_kind == "prenorm"
+        prenorm, spec = self.hidden_kind == "prenorm", self.target_spec
         with torch.autocast(device_type=self.device.type, enabled=False):
-            cap = self.target.capture(batch["input_ids"], batch["attention_mask"], aux_layer_ids=self.aux_ids,
-                                      aux_stream=self.aux_stream, return_prenorm=prenorm)  # fmt: skip
+            cap = self.target.capture(batch["input_ids"], batch["attention_mask"], return_prenorm=prenorm,
+                                      aux_layer_ids=list(spec.aux_layer_ids), aux_stream=spec.aux_stream)  # fmt: skip
         if int(batch["shard"]) < 0:
             return None
         aux, final = cap.aux_hidden_states, cap.final_prenorm if prenorm else cap.final_hidden

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 
 from lightning_eagle.atomic import atomic_file
 from lightning_eagle.dtypes import DTYPES
-from lightning_eagle.k3.loader import config_fingerprint
+from lightning_eagle.k3.target_spec import TargetSpec
 
 FORMAT = "lightning_eagle.features/1"
 PLAN_NAME, MANIFEST_NAME, VOCAB_MAP_NAME = "plan.json", "manifest.json", "vocab_map.safetensors"
@@ -54,11 +54,10 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     return digest.hexdigest()
 
 
-def target_fingerprint(target_dir: Path) -> dict[str, Any]:
-    """Config hash (the same 16 hex digits ``Eagle3Module`` checks on resume) and the weight files' sizes."""
-    config = (target_dir / "config.json").read_text()
-    files = {p.name: p.stat().st_size for p in sorted(target_dir.glob("*.safetensors"))}
-    return {"config_sha256": config_fingerprint(config), "weight_files": files}
+def target_fingerprint(spec: TargetSpec) -> dict[str, Any]:
+    """The spec's config hash (the same 16 hex digits ``Eagle3Module`` checks on resume) and the weight files' sizes."""
+    files = {p.name: p.stat().st_size for p in sorted(spec.path.glob("*.safetensors"))}
+    return {"config_sha256": spec.fingerprint, "weight_files": files}
 
 
 def bytes_per_token(hidden_size: int, num_aux: int, dtype: str) -> int:

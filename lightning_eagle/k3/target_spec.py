@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lightning_eagle.aux_layers import AUX_STREAMS, resolve_aux_layer_ids, validate_aux_layer_ids
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.k3.config import KimiK3TextConfig, text_config_from_dict
 from lightning_eagle.k3.loader import config_fingerprint, resolve_target_path
+from lightning_eagle.text_config import config_value, text_config_of
 
 EXPERT_STORAGES = ("dequantized", "mxfp4")
 TARGET_DTYPES = ("float32", "bfloat16", "float16")
@@ -43,13 +46,8 @@ class TargetSpec:
     aux_stream: str = "prefix"
 
     def __post_init__(self) -> None:
-        model_type = getattr(self.config, "model_type", None)
-        if model_type != "kimi_linear":
-            raise ValueError(
-                f"the target's text config must have model_type 'kimi_linear' (Kimi K3), got {model_type!r}"
-            )
-        ids = tuple(validate_aux_layer_ids(self.aux_layer_ids, self.config.num_hidden_layers))
-        object.__setattr__(self, "aux_layer_ids", ids)
+        validate_target_config(self.config, self.aux_layer_ids)
+        object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
         for name, value, allowed in (
             ("aux_stream", self.aux_stream, AUX_STREAMS),
             ("dtype", self.dtype, TARGET_DTYPES),
@@ -108,3 +106,20 @@ class TargetSpec:
     @property
     def num_experts(self) -> int:
         return self.config.num_experts
+
+
+def validate_target_config(target_config: Any, aux_layer_ids: Sequence[int] | None = None) -> None:
+    """Config-level gates: the text ``model_type`` must be ``kimi_linear`` and the aux ids must be valid.
+
+    Reads every attribute with ``getattr(..., None)`` so a missing/None config gives a clean error, never an
+    ``AttributeError``.
+    """
+    text = text_config_of(target_config)
+    model_type = config_value(text, "model_type")
+    if model_type != "kimi_linear":
+        raise ValueError(
+            f"the target's text config must have model_type 'kimi_linear' (Kimi K3), got {model_type!r}"
+            + (" (no target config was given)" if text is None else "")
+        )
+    if aux_layer_ids is not None:
+        validate_aux_layer_ids(aux_layer_ids, config_value(text, "num_hidden_layers"))

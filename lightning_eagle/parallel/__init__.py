@@ -13,7 +13,7 @@ from lightning_eagle.parallel.layout import (
     target_parallelism,
     validate_layout,
 )
-from lightning_eagle.parallel.validate import UnsupportedLayoutError, validate_target_config
+from lightning_eagle.parallel.validate import UnsupportedLayoutError
 
 # Lazy: the strategy imports Lightning (seconds); the layout gates must stay cheap to import.
 _EXPORTS = {
@@ -30,6 +30,7 @@ _EXPORTS = {
     "per_rank_memory_report": "lightning_eagle.parallel.memory",
     "memory_table": "lightning_eagle.parallel.memory",
     "launch_local": "lightning_eagle.parallel.local_launch",
+    "validate_target_config": "lightning_eagle.k3.target_spec",
 }
 
 __all__ = [
@@ -40,11 +41,11 @@ __all__ = [
     "UnsupportedLayoutError",
     "target_parallelism",
     "validate_layout",
-    "validate_target_config",
     *sorted(_EXPORTS),
 ]
 
 if TYPE_CHECKING:  # pragma: no cover — what IDEs and type checkers see; a test keeps it equal to _EXPORTS
+    from lightning_eagle.k3.target_spec import validate_target_config
     from lightning_eagle.parallel.dispatcher import (
         AllGatherExpertDispatcher,
         DeepEPDispatcher,

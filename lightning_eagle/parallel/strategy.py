@@ -43,6 +43,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_eagle.k3.target_spec import validate_target_config
 from lightning_eagle.parallel.dense_shard import dense_bytes_held, has_sharded_trainable_parameters, shard_dense_weights
 from lightning_eagle.parallel.dispatcher import build_dispatcher, check_dispatcher
 from lightning_eagle.parallel.grad_sync import all_reduce_gradients
@@ -50,7 +51,6 @@ from lightning_eagle.parallel.launcher import ExpertParallelLauncher
 from lightning_eagle.parallel.layout import LAYOUT_SETTINGS, HasTargetSpec, ParallelLayout
 from lightning_eagle.parallel.memory import per_rank_memory_report
 from lightning_eagle.parallel.shard import enable_expert_parallel, expert_range
-from lightning_eagle.parallel.validate import validate_target_config
 from lightning_eagle.text_config import config_value, text_config_of
 
 START_METHODS = ("popen", "spawn", "fork")
