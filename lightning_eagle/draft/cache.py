@@ -56,6 +56,18 @@ class TTTCache:
                 "a different mask was passed at step " + str(len(self.keys))
             )
 
+    def to_attention_layout(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This step's projections as the attention backend and the cache take them; the identity here. A
+        sequence-parallel cache turns token-sharded ``[B,n,T/s,d]`` into head-sharded ``[B,n/s,T,d]``."""
+        return q, k, v
+
+    def to_token_layout(self, o: torch.Tensor) -> torch.Tensor:
+        """The attention output back in the layout of the layer's other ops (the inverse of
+        :meth:`to_attention_layout`); the identity here."""
+        return o
+
     def append(self, key: torch.Tensor, value: torch.Tensor) -> int:
         """Add this step's K/V; returns the step index k (0 for the first call)."""
         self.keys.append(key)

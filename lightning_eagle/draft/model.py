@@ -89,8 +89,9 @@ class Eagle3DecoderLayer(nn.Module):
         ttt_attention = get_ttt_attention(backend)
 
         def attend(q, k, v):
+            q, k, v = cache.to_attention_layout(q, k, v)
             cache.append(k, v)
-            return ttt_attention(q, cache, self.scale)
+            return cache.to_token_layout(ttt_attention(q, cache, self.scale))
 
         return self.run(embeds, hidden, attend, positions)
 
