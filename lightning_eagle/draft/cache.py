@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from lightning_eagle.draft.block_attention import CausalBlock
 from lightning_eagle.ops.mla import causal_additive_mask
 
 
@@ -81,15 +82,37 @@ class TTTCache:
             self._masks[key] = build()
         return self._masks[key]
 
+    def causal_block(self, T: int, device: torch.device) -> CausalBlock | None:
+        """The step-0 block rule without any ``[T,T]`` tensor (the long-context form): a
+        :class:`~lightning_eagle.draft.block_attention.CausalBlock` when the bound mask is None or right-padded (every
+        row a prefix of ones: the training batches), None for any other mask (left padding, holes), which then needs
+        :meth:`additive_mask`. Checked once per batch (one host sync), kept with the derived masks."""
+
+        def build() -> CausalBlock | None:
+            if self.attention_mask is None:
+                return CausalBlock()
+            keep = self.attention_mask.to(device=device, dtype=torch.bool)
+            if keep.shape[-1] != T:
+                raise ValueError(f"the bound attention mask covers {keep.shape[-1]} slots, the queries {T}")
+            if bool((keep[:, 1:] & ~keep[:, :-1]).any()):  # a real slot after a padding one: not right padding
+                return None
+            lengths = keep.sum(-1)
+            return CausalBlock() if bool((lengths == T).all()) else CausalBlock(lengths)
+
+        return self.derived_mask(("causal_block", T, torch.device(device)), build)
+
     def additive_mask(self, T: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``[B|1,1,T,T]`` additive causal ∧ key-not-pad mask (``finfo.min`` where disallowed), built once per dtype."""
+        """``[B|1,1,T,T]`` additive causal ∧ key-not-pad mask (``finfo.min`` where disallowed), built once per dtype.
+        O(T²) (8.6 GB per row at T = 65536 in fp16): the ``eager`` twin's, and ``flash_lse``'s only for a mask that is
+        not right-padded (:meth:`causal_block`)."""
         return self.derived_mask(
             ("additive", T, dtype, torch.device(device)),
             lambda: causal_additive_mask(self.attention_mask, T, dtype=dtype, device=device),
         )
 
     def allowed_mask(self, T: int, device: torch.device) -> torch.Tensor:
-        """The same rule as a boolean ``[B|1,1,T,T]`` (True = may attend); every row allows key 0."""
+        """The same rule as a boolean ``[B|1,1,T,T]`` (True = may attend); every row allows key 0. O(T²): used by
+        ``sdpa_mask``, which is not a long-context backend (``flash_lse`` is)."""
         # Derived from the additive mask's own rule (one definition); the fp32 intermediate is not kept.
         return self.derived_mask(
             ("allowed", T, torch.device(device)),

@@ -20,6 +20,12 @@ from torch import nn
 
 from lightning_eagle.draft.cache import TTTCache
 from lightning_eagle.draft.config import Eagle3DraftConfig
+from lightning_eagle.draft.latent_attention import (
+    DEFAULT_TTT_KV_CACHE,
+    LatentKV,
+    check_ttt_kv_cache,
+    latent_ttt_attention,
+)
 from lightning_eagle.draft.pretrained import check_export
 from lightning_eagle.draft.ttt_attention import get_ttt_attention
 from lightning_eagle.ops.mla import NoPEMLA
@@ -46,6 +52,8 @@ class Eagle3DecoderLayer(nn.Module):
     hidden_norm: nn.Module
     post_attention_layernorm: nn.Module
     mlp: nn.Module
+    # Whether :meth:`latent_qkv` / :meth:`latent_kv` exist, i.e. ``ttt_kv_cache="latent"`` can run on this layer.
+    supports_latent_kv_cache = False
 
     def combine(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """``[input_layernorm(embed) ‖ hidden_norm(h)]`` — embeddings first."""
@@ -61,17 +69,34 @@ class Eagle3DecoderLayer(nn.Module):
         """``o [B,T,n·d_v]`` → ``[B,T,H]``."""
         raise NotImplementedError
 
+    def latent_qkv(
+        self, combined: torch.Tensor, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``combined`` → ``q [B,n,T,d_qk]``, the normalised KV latent ``[B,1,T,r]`` and the shared rope key
+        ``[B,1,T,d_rope]`` as cached (rotated, if the layer rotates) — what ``ttt_kv_cache="latent"`` caches."""
+        raise NotImplementedError(f"{type(self).__name__} has no latent K/V form (ttt_kv_cache='latent')")
+
+    def latent_kv(self) -> LatentKV:
+        """How :meth:`latent_qkv`'s latents expand into this layer's per-head K/V."""
+        raise NotImplementedError(f"{type(self).__name__} has no latent K/V form (ttt_kv_cache='latent')")
+
     @property
     def scale(self) -> float:
         """The attention softmax scale."""
         return self.self_attn.scale
 
     def run(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, attend: Attend, positions: torch.Tensor | None = None
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        attend: Attend,
+        positions: torch.Tensor | None = None,
+        project: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
-        """One step with the attention core ``attend(q, k, v) -> o [B,n,T,d_v]``; returns the new (raw) hidden."""
+        """One step with the attention core ``attend(q, k, v) -> o [B,n,T,d_v]``; returns the new (raw) hidden.
+        ``project`` (default :meth:`qkv`) makes what ``attend`` takes (:meth:`latent_qkv` for a latent cache)."""
         combined = self.combine(embeds, hidden)
-        q, k, v = self.qkv(combined, positions)
+        q, k, v = (project or self.qkv)(combined, positions)
         o = attend(q, k, v)
         B, n, T, d_v = o.shape
         h = hidden + self.attention_output(o.transpose(1, 2).reshape(B, T, n * d_v), combined)
@@ -84,8 +109,13 @@ class Eagle3DecoderLayer(nn.Module):
         cache: TTTCache,
         backend: str,
         positions: torch.Tensor | None = None,
+        kv_cache: str = DEFAULT_TTT_KV_CACHE,
     ) -> torch.Tensor:
-        """One TTT step: this step's K/V are appended to ``cache``, the queries attend over it (§4.2)."""
+        """One TTT step: this step's K/V are appended to ``cache``, the queries attend over it (§4.2). ``kv_cache``
+        (``ttt_kv_cache``): ``"expanded"`` caches per-head K/V, ``"latent"`` the MLA latent and rope key
+        (:mod:`lightning_eagle.draft.latent_attention`)."""
+        if check_ttt_kv_cache(kv_cache) == "latent":
+            return self._latent_forward(embeds, hidden, cache, backend, positions)
         ttt_attention = get_ttt_attention(backend)
 
         def attend(q, k, v):
@@ -94,6 +124,17 @@ class Eagle3DecoderLayer(nn.Module):
             return cache.to_token_layout(ttt_attention(q, cache, self.scale))
 
         return self.run(embeds, hidden, attend, positions)
+
+    def _latent_forward(self, embeds, hidden, cache: TTTCache, backend: str, positions) -> torch.Tensor:
+        get_ttt_attention(backend)  # validates before any work
+        latent_kv = self.latent_kv()
+
+        def attend(q, latent, k_rope):
+            q, latent, k_rope = cache.to_attention_layout(q, latent, k_rope)
+            cache.append(latent, k_rope)
+            return cache.to_token_layout(latent_ttt_attention(backend, q, cache, self.scale, latent_kv))
+
+        return self.run(embeds, hidden, attend, positions, project=self.latent_qkv)
 
 
 class KimiK3Eagle3Layer(Eagle3DecoderLayer):
@@ -115,6 +156,16 @@ class KimiK3Eagle3Layer(Eagle3DecoderLayer):
 
     def attention_output(self, o, combined):
         return self.self_attn.gate_output(o, combined)
+
+    supports_latent_kv_cache = True
+
+    def latent_qkv(self, combined, positions=None):
+        del positions  # NoPE
+        return self.self_attn.project_latent(combined)
+
+    def latent_kv(self) -> LatentKV:
+        attn = self.self_attn
+        return LatentKV(attn.kv_b_proj.weight, attn.num_heads, attn.qk_nope_head_dim)
 
     def attention(self, combined: torch.Tensor, cache: TTTCache, backend: str) -> torch.Tensor:
         """Project, append this step's K/V to the cache, attend over it, gate and project out (``[B,T,H]``)."""
@@ -142,7 +193,9 @@ class KimiK3Eagle3Draft(nn.Module):
     layer_class: type[Eagle3DecoderLayer] = KimiK3Eagle3Layer
     norm_class: type[nn.Module] = K3RMSNorm
 
-    def __init__(self, config: Eagle3DraftConfig, attention_backend: str = "eager") -> None:
+    def __init__(
+        self, config: Eagle3DraftConfig, attention_backend: str = "eager", ttt_kv_cache: str = DEFAULT_TTT_KV_CACHE
+    ) -> None:
         super().__init__()
         config.validate()  # §3.6: the draft constructor refuses GQA / non-NoPE even for a hand-edited config
         if config.architecture != self.architecture:
@@ -174,6 +227,7 @@ class KimiK3Eagle3Draft(nn.Module):
         if self.t2d.device.type != "meta":  # meta: values come from the loaded state dict
             self.t2d[:N_d] = True
         self.attention_backend = attention_backend
+        self.ttt_kv_cache = ttt_kv_cache
         if config.freeze_embeddings:
             self.freeze_embeddings()
 
@@ -186,6 +240,21 @@ class KimiK3Eagle3Draft(nn.Module):
     def attention_backend(self, name: str) -> None:
         get_ttt_attention(name)  # validates
         self._attention_backend = name
+
+    @property
+    def ttt_kv_cache(self) -> str:
+        """What the TTT cache holds per step: ``"expanded"`` (per-head K/V, default) or ``"latent"`` (the MLA latent
+        and rope key, expanded inside each step: :mod:`lightning_eagle.draft.latent_attention`)."""
+        return self._ttt_kv_cache
+
+    @ttt_kv_cache.setter
+    def ttt_kv_cache(self, name: str) -> None:
+        if check_ttt_kv_cache(name) == "latent" and not self.midlayer.supports_latent_kv_cache:
+            raise ValueError(
+                f"ttt_kv_cache='latent' is not supported by the {self.architecture!r} draft "
+                f"({type(self.midlayer).__name__} has no latent K/V form); use ttt_kv_cache='expanded'"
+            )
+        self._ttt_kv_cache = name
 
     # ---- the four pieces of a TTT step ----------------------------------------------------------------------------
     def project(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
@@ -221,7 +290,7 @@ class KimiK3Eagle3Draft(nn.Module):
         cache.bind_mask(attention_mask)
         embeds = self.embed(input_ids).to(hidden.dtype)
         positions = self.step_positions(input_ids, len(cache), position_ids)
-        h = self.midlayer(embeds, hidden, cache, self.attention_backend, positions)
+        h = self.midlayer(embeds, hidden, cache, self.attention_backend, positions, kv_cache=self.ttt_kv_cache)
         return self.output_hidden(h)
 
     forward = layer
@@ -290,6 +359,7 @@ class KimiK3Eagle3Draft(nn.Module):
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         attention_backend: str = "eager",
+        ttt_kv_cache: str = DEFAULT_TTT_KV_CACHE,
     ) -> KimiK3Eagle3Draft:
         """Load our export (``midlayer.*``), its engine format or a NeMo Automodel export (``model.layers.0.*``) as the
         draft class ``config.json`` names (a ``deepseek_mla`` export gives a
@@ -306,7 +376,7 @@ class KimiK3Eagle3Draft(nn.Module):
         config, state = check_export(folder)
         has_embeddings = "embed_tokens.weight" in state
         with torch.device("meta"):
-            draft = build_draft(config, attention_backend=attention_backend)
+            draft = build_draft(config, attention_backend=attention_backend, ttt_kv_cache=ttt_kv_cache)
         if not has_embeddings:
             if target_embedding is not None:
                 if hasattr(target_embedding, "full_tensor"):
@@ -345,7 +415,9 @@ def register_draft_architecture(cls: type[KimiK3Eagle3Draft]) -> type[KimiK3Eagl
     return cls
 
 
-def build_draft(config: Eagle3DraftConfig, attention_backend: str = "eager") -> KimiK3Eagle3Draft:
+def build_draft(
+    config: Eagle3DraftConfig, attention_backend: str = "eager", ttt_kv_cache: str = DEFAULT_TTT_KV_CACHE
+) -> KimiK3Eagle3Draft:
     """The draft ``config.architecture`` names (``"k3"``: :class:`KimiK3Eagle3Draft`; ``"deepseek_mla"``:
     :class:`~lightning_eagle.draft.deepseek_mla.DeepseekMLAEagle3Draft`), built in fp32 (or on the ambient device)."""
     cls = DRAFT_ARCHITECTURES.get(config.architecture)
@@ -353,7 +425,7 @@ def build_draft(config: Eagle3DraftConfig, attention_backend: str = "eager") -> 
         raise ValueError(
             f"unknown draft architecture {config.architecture!r}; choose one of {sorted(DRAFT_ARCHITECTURES)}"
         )
-    return cls(config, attention_backend=attention_backend)
+    return cls(config, attention_backend=attention_backend, ttt_kv_cache=ttt_kv_cache)
 
 
 register_draft_architecture(KimiK3Eagle3Draft)

@@ -10,10 +10,14 @@ scale)`` and return ``o [B,n,T,d_v]``):
   (:mod:`lightning_eagle.draft.block_attention`), the k diagonal scores are ``[B,n,T,k]``, and the two are merged
   through the log-sum-exp inside a custom ``autograd.Function`` whose backward feeds the merged output and LSE to the
   block kernel's backward (the gradient trap of §8). Step 0 is the same function with no diagonal columns, i.e. plain
-  causal attention.
+  causal attention. The long-context backend: for an unpadded or right-padded batch (what training feeds) the block
+  rule is a tensor-free :class:`~lightning_eagle.draft.block_attention.CausalBlock`, so no step builds or keeps any
+  ``[T,T]`` tensor; any other mask (left padding, holes) takes the exact additive ``[B|1,1,T,T]`` mask
+  (:func:`step_zero_rule`). Either way every row, padding rows included, equals ``eager``.
 * ``"sdpa_mask"`` — one ``F.scaled_dot_product_attention`` call over the concatenated keys ``[K_0 ; K_1 ; … ; K_k]``
   (length ``T·(k+1)``) with a boolean ``[B|1,1,T,T·(k+1)]`` mask: fused on CUDA (memory-efficient kernel), torch's
   math path on CPU (there it materialises ``[B,n,T,T·(k+1)]`` scores; it is the CPU *training* check of the layout).
+  Not a long-context backend: its mask is O(T²) per step (``eager``'s scores and additive mask too).
 * ``"flex_attention"`` — the same concatenated keys through compiled ``flex_attention`` with a block mask: fully masked
   128×128 tiles are skipped, so step k costs about one causal block plus k diagonal tiles per query tile. CUDA is its
   home; torch 2.13 has no flex backward on CPU, so on CPU it runs forward-only (unfused) and refuses gradients.
@@ -33,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from lightning_eagle.backends import AUTO, BackendRegistry
-from lightning_eagle.draft.block_attention import accumulate_dtype, default_kernel
+from lightning_eagle.draft.block_attention import BlockRule, accumulate_dtype, default_kernel
 from lightning_eagle.draft.cache import TTTCache
 
 TTTAttention = Callable[[torch.Tensor, TTTCache, float], torch.Tensor]
@@ -71,7 +75,8 @@ def ttt_attention_backends() -> list[str]:
 
 # ---- eager (the naive twin) ------------------------------------------------------------------------------------------
 def eager_ttt_attention(q: torch.Tensor, cache: TTTCache, scale: float) -> torch.Tensor:
-    """Scores ``[B,n,T,T+k]`` = (block over K_0 + mask) ‖ (one diagonal score per cached step 1..k); fp32 softmax."""
+    """Scores ``[B,n,T,T+k]`` = (block over K_0 + mask) ‖ (one diagonal score per cached step 1..k); fp32 softmax.
+    The readable twin, O(T²) by construction (scores and the additive ``[B|1,1,T,T]`` mask): not for long context."""
     T = q.shape[-2]
     k0, v0 = cache.keys[0], cache.values[0]
     scores = torch.matmul(q, k0.transpose(-1, -2)) * scale
@@ -111,8 +116,15 @@ class _LSEMergedTTTAttention(torch.autograd.Function):
             lse = lse.to(lse_b.dtype)
         else:
             out, lse = out_b, lse_b
-        ctx.save_for_backward(q, k0, v0, mask, out, lse, *later)
-        ctx.scale, ctx.kernel, ctx.num_diag = scale, kernel, num_diag
+        # A CausalBlock rule is no tensor (its [B] lengths need no saving hook); an additive mask is saved as one.
+        tensor_mask = mask if isinstance(mask, torch.Tensor) else None
+        ctx.save_for_backward(q, k0, v0, tensor_mask, out, lse, *later)
+        ctx.scale, ctx.kernel, ctx.num_diag, ctx.rule = (
+            scale,
+            kernel,
+            num_diag,
+            None if tensor_mask is not None else mask,
+        )
         return out
 
     @staticmethod
@@ -120,6 +132,7 @@ class _LSEMergedTTTAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k0, v0, mask, out, lse, *later = ctx.saved_tensors
         scale, num_diag = ctx.scale, ctx.num_diag
+        mask = mask if ctx.rule is None else ctx.rule
         # Block columns: the kernel recomputes P = exp(S − lse) with the *merged* lse and uses D = rowsum(dO ⊙ O) with
         # the *merged* O, i.e. the block part of the full-row softmax gradient.
         dq, dk0, dv0 = ctx.kernel.backward(grad_out, q, k0, v0, mask, out, lse, scale)
@@ -141,11 +154,20 @@ class _LSEMergedTTTAttention(torch.autograd.Function):
         return (dq, dk0, dv0, None, None, None, None, *later_grads)
 
 
+def step_zero_rule(cache: TTTCache, q: torch.Tensor) -> BlockRule:
+    """The block rule ``flash_lse`` hands its kernel: the tensor-free
+    :class:`~lightning_eagle.draft.block_attention.CausalBlock` for an unpadded or right-padded batch (the training
+    batches: no ``[T,T]`` tensor at all), else — left padding, holes — the exact additive ``[B|1,1,T,T]`` mask of the
+    eager twin (O(T²), kept for the unroll)."""
+    T = q.shape[-2]
+    block = cache.causal_block(T, q.device)
+    return block if block is not None else cache.additive_mask(T, q.dtype, q.device)
+
+
 def flash_lse_ttt_attention(q: torch.Tensor, cache: TTTCache, scale: float, kernel=None) -> torch.Tensor:
     """The efficient TTT attention; ``kernel`` defaults to the fused CPU kernel on CPU, the chunked one elsewhere."""
-    T = q.shape[-2]
     kernel = kernel or default_kernel(q)
-    mask = cache.additive_mask(T, q.dtype, q.device)
+    mask = step_zero_rule(cache, q)
     later = (*cache.keys[1:], *cache.values[1:])
     return _LSEMergedTTTAttention.apply(q, cache.keys[0], cache.values[0], mask, scale, kernel, len(cache) - 1, *later)
 
@@ -177,7 +199,8 @@ def sdpa_mask_ttt_attention(q: torch.Tensor, cache: TTTCache, scale: float) -> t
 
     Memory: the mask is ``B·T·T·(k+1)`` bytes (heads broadcast; 134 MB per row at T = 4096, k = 7), which the CUDA
     memory-efficient kernel turns into an additive bias of the same shape in q's dtype; no ``[B,n,T,T·(k+1)]`` tensor
-    on CUDA. Where SDPA falls back to its math path (CPU with d_qk ≠ d_v, fp64) the scores are materialised."""
+    on CUDA. Where SDPA falls back to its math path (CPU with d_qk ≠ d_v, fp64) the scores are materialised. Not a
+    long-context backend (use ``flash_lse``)."""
     keys, values = concatenated_kv(cache)
     mask = ttt_boolean_mask(cache, q.shape[-2], q.device)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
@@ -272,9 +295,14 @@ def default_ttt_attention(device: torch.device | str) -> str:
     return "flash_lse"
 
 
+def resolved_ttt_attention(name: str, device: torch.device | str) -> TTTAttention:
+    """The function backend ``name`` runs on ``device`` (``"auto"`` resolved to a concrete backend first)."""
+    return _KERNELS[TTT_ATTENTION_BACKEND.resolve(name, device)]
+
+
 def auto_ttt_attention(q: torch.Tensor, cache: TTTCache, scale: float) -> torch.Tensor:
     """The backend ``"auto"`` resolves to on ``q.device``, at call time (one config for CPU tests and GPU runs)."""
-    return _KERNELS[TTT_ATTENTION_BACKEND.resolve(AUTO, q.device)](q, cache, scale)
+    return resolved_ttt_attention(AUTO, q.device)(q, cache, scale)
 
 
 _KERNELS.update(

@@ -95,19 +95,25 @@ class NoPEMLA(RenamedSettings, nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [B,T,in]`` → ``q, k [B,n,T,d_qk]`` and ``v [B,n,T,d_v]``."""
+        q, latent, k_rot = self.project_latent(x)
+        k, v = self.expand_latent(latent, k_rot)
+        return q, k, v
+
+    def project_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [B,T,in]`` → ``q [B,n,T,d_qk]``, the normalised KV latent ``[B,1,T,kv_lora_rank]`` and the shared rope
+        key ``[B,1,T,d_rope]``: the compressed keys/values that :meth:`expand_latent` turns into per-head ones."""
         B, T, _ = x.shape
-        n = self.num_heads
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(B, T, n, self.qk_head_dim).transpose(1, 2)
+        q = q.view(B, T, self.num_heads, self.qk_head_dim).transpose(1, 2)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, n, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, v = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        # The rope slice is neither normalised nor rotated; it is one key part shared by every head (MQA-style).
-        k_rot = k_rot.view(B, 1, T, self.qk_rope_head_dim).expand(B, n, T, self.qk_rope_head_dim)
-        return q, torch.cat([k_nope, k_rot], dim=-1), v
+        return q, self.kv_a_layernorm(latent)[:, None], k_rot[:, None]
+
+    def expand_latent(self, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``latent [B,1,T,r]`` and ``k_rot [B,1,T,d_rope]`` → ``k [B,n,T,d_qk]``, ``v [B,n,T,d_v]`` (``kv_b_proj``)."""
+        return expand_latent_kv(self.kv_b_proj.weight, latent, k_rot, self.num_heads, self.qk_nope_head_dim)
 
     def gate_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``o [B,T,n·d_v]`` → gated by ``σ(g_proj(x))`` (the layer input, not the attention output) → ``o_proj``."""
@@ -188,6 +194,20 @@ def sdpa_attention(
 
 
 MLA_CORES = {"sdpa": sdpa_attention, "eager": eager_attention}
+
+
+def expand_latent_kv(
+    kv_b_weight: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor, num_heads: int, qk_nope_head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's key/value expansion: ``[k_nope ‖ v] = kv_b(latent)`` per head, ``k = [k_nope ‖ k_rot]`` with the rope part
+    shared by every head (MQA-style; neither normalised nor rotated here). ``latent [B,1,T,r]`` (normalised),
+    ``k_rot [B,1,T,d_rope]``, ``kv_b_weight [n·(d_nope+d_v), r]`` → ``k [B,n,T,d_qk]``, ``v [B,n,T,d_v]``."""
+    B, _, T, _ = latent.shape
+    width = kv_b_weight.shape[0] // num_heads
+    kv = F.linear(latent[:, 0], kv_b_weight).view(B, T, num_heads, width)
+    k_nope, v = kv.transpose(1, 2).split([qk_nope_head_dim, width - qk_nope_head_dim], dim=-1)
+    k_rot = k_rot.expand(B, num_heads, T, k_rot.shape[-1])
+    return torch.cat([k_nope, k_rot], dim=-1), v
 
 
 def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -38,13 +38,18 @@ RUN_TIME_FACTS = ("world_size", "num_experts", "device_types")
 class ParallelLayout:
     """World, expert-parallel mesh and the refused dimensions (accepted only at their supported values).
 
-    ``data_parallel_size = world_size / expert_parallel_size``: every rank is data-parallel for the draft; the ranks
-    of one expert-parallel group share the target's routed experts.
+    ``data_parallel_size = world_size / expert_parallel_size``: the ranks of one expert-parallel group share the
+    target's routed experts. Every rank is data-parallel for the draft unless ``draft_sequence_parallel_size > 1``:
+    then the ranks of one draft sequence-parallel group share their rows and split the draft's unroll over the
+    sequence (``draft_data_parallel_size = world_size / draft_sequence_parallel_size``).
     """
 
     expert_parallel_size: int = 1
     target_dispatcher: str = "torch"
     target_shard_dense: bool | None = None  # None: on when the world has more than one rank
+    # The draft's own sequence sharding (Ulysses over the TTT unroll, parallel/sequence_parallel.py); the target is
+    # never sequence/context-parallel: every rank of a draft SP group runs the same target forward on the same rows.
+    draft_sequence_parallel_size: int = 1
     world_size: int | None = None
     num_experts: int | None = None
     device_types: tuple[str, ...] | None = None
@@ -65,6 +70,12 @@ class ParallelLayout:
     @property
     def data_parallel_size(self) -> int | None:
         return None if self.world_size is None else self.world_size // self.expert_parallel_size
+
+    @property
+    def draft_data_parallel_size(self) -> int | None:
+        """Groups of ranks that train the draft on different rows: ``world_size / draft_sequence_parallel_size``
+        (the ranks of one draft sequence-parallel group share their rows)."""
+        return None if self.world_size is None else self.world_size // self.draft_sequence_parallel_size
 
     @property
     def dense_sharded(self) -> bool:
@@ -137,6 +148,14 @@ def validate_layout(layout: ParallelLayout) -> None:
         raise ValueError(
             f"num_experts ({num_experts}) is not divisible by expert_parallel_size ({ep}); each rank must hold a "
             "contiguous, equal slice of routed experts"
+        )
+    sp = layout.draft_sequence_parallel_size
+    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
+        raise ValueError(f"draft_sequence_parallel_size must be a positive int, got {sp!r}")
+    if world_size is not None and world_size % sp:
+        raise ValueError(
+            f"draft_sequence_parallel_size ({sp}) must divide the world size ({world_size}): each group of "
+            f"{sp} consecutive ranks shares one sequence of the draft's batch"
         )
     kinds = None if layout.device_types is None else sorted(set(layout.device_types))
     if kinds is not None and len(kinds) > 1:

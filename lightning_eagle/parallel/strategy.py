@@ -46,10 +46,14 @@ from torch import nn
 from lightning_eagle.k3.target_spec import validate_target_config
 from lightning_eagle.parallel.dense_shard import dense_bytes_held, has_sharded_trainable_parameters, shard_dense_weights
 from lightning_eagle.parallel.dispatcher import build_dispatcher, check_dispatcher
-from lightning_eagle.parallel.grad_sync import all_reduce_gradients
 from lightning_eagle.parallel.launcher import ExpertParallelLauncher
 from lightning_eagle.parallel.layout import LAYOUT_SETTINGS, HasTargetSpec, ParallelLayout
 from lightning_eagle.parallel.memory import per_rank_memory_report
+from lightning_eagle.parallel.sequence_parallel import (
+    SequenceShard,
+    draft_sequence_parallel_mesh,
+    reduce_draft_gradients,
+)
 from lightning_eagle.parallel.shard import enable_expert_parallel, expert_range
 from lightning_eagle.text_config import config_value, text_config_of
 
@@ -68,6 +72,12 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         target_shard_dense: split the target's dense (non-routed) weights over all ranks with FSDP2, gathered one
             layer at a time (:mod:`lightning_eagle.parallel.dense_shard`); each rank reads only its rows from disk.
             Default (None): on when the world has more than one rank. Routed experts stay expert-parallel.
+        draft_sequence_parallel_size: ranks per *draft* sequence-parallel group (``sp``, default 1; must divide the
+            world size). The ``sp`` consecutive ranks of a group get the same rows (the sampler shards over
+            ``world / sp`` replicas), run the same target forward, and split the draft's TTT unroll over the
+            sequence (:mod:`lightning_eagle.parallel.sequence_parallel`); gradients are summed over the group and
+            averaged over the ``world / sp`` draft data-parallel groups (:meth:`reduce_gradients`). This is not
+            target context parallelism, which stays refused.
         tensor_parallel_size, context_parallel_size, pipeline_parallel_size, sequence_packing, target_backend,
             p_eagle, target_force_hf: accepted only at their supported values (1 / False / ``"colocated"``) so that
             a config asking for them fails loudly with the setting's name.
@@ -87,6 +97,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         expert_parallel_size: int = 1,
         target_dispatcher: str = "torch",
         target_shard_dense: bool | None = None,
+        draft_sequence_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         context_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
@@ -117,6 +128,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         )
         self._dispatcher = None
         self._world_mesh = None
+        self._draft_mesh = None
 
     # ---- layout ---------------------------------------------------------------------------------------------------
     @property
@@ -194,11 +206,43 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             self._dispatcher = build_dispatcher(self._layout.target_dispatcher, self.expert_parallel_group)
         # One flat mesh over every rank: the target's dense weights (and an FSDP2-sharded draft) split world-wide.
         self._world_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("world",))
+        sp = self._layout.draft_sequence_parallel_size
+        if sp > 1:
+            # Consecutive ranks share a sequence (the sampler gives them the same rows: rank // sp).
+            self._draft_mesh = draft_sequence_parallel_mesh(self.root_device.type, self.world_size, sp)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # EP ranks are data-parallel for the draft: every rank needs different tokens (`lightning_notes.md` §9).
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        # EP ranks are data-parallel for the draft: every rank needs different tokens (`lightning_notes.md` §9) —
+        # except the ranks of one draft sequence-parallel group, which split one sequence and so share their rows.
+        sp = self._layout.draft_sequence_parallel_size
+        return {"num_replicas": self.world_size // sp, "rank": self.global_rank // sp}
+
+    # ---- draft sequence parallelism -----------------------------------------------------------------------------
+    @property
+    def draft_sequence_parallel_size(self) -> int:
+        return self._layout.draft_sequence_parallel_size
+
+    @property
+    def draft_sequence_parallel_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's draft SP group (its ``sp`` consecutive ranks); None when ``sp == 1``
+        (nothing to exchange) or before ``setup_environment``."""
+        return None if self._draft_mesh is None else self._draft_mesh["draft_sequence_parallel"].get_group()
+
+    @property
+    def draft_sequence_parallel_rank(self) -> int:
+        """This rank's index in its draft SP group (0 when ``sp == 1``)."""
+        return self.global_rank % self._layout.draft_sequence_parallel_size
+
+    @property
+    def draft_data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same slot range of different rows (one per SP group); None when ``sp == 1`` (then
+        it is the whole world)."""
+        return None if self._draft_mesh is None else self._draft_mesh["draft_data_parallel"].get_group()
+
+    def sequence_shard(self, length: int) -> SequenceShard:
+        """The slots ``[start, end)`` this rank owns of a length-``length`` (post-shift) sequence."""
+        return SequenceShard(self._layout.draft_sequence_parallel_size, self.draft_sequence_parallel_rank, length)
 
     # ---- the API LightningModule.configure_model uses -----------------------------------------------------------
     @property
@@ -260,9 +304,14 @@ class ExpertParallelStrategy(ModelParallelStrategy):
 
     # ---- draft gradients ----------------------------------------------------------------------------------------
     def reduce_gradients(self) -> int:
-        """Average the replicated trainable parameters' gradients over the world (DTensor ones are skipped)."""
+        """Average the replicated trainable parameters' gradients over the world (DTensor ones are skipped).
+
+        With ``draft_sequence_parallel_size = sp > 1`` each rank's loss is its share of its group's sequence loss
+        (the shares add up to it), so the draft's gradient is the *sum* over the SP group and the *mean* over the
+        ``world / sp`` data-parallel groups: the world mean times ``sp`` (exact for powers of two). An FSDP2-sharded
+        draft's gradients (averaged over the world by FSDP's reduce-scatter) get the same factor."""
         assert self.lightning_module is not None
-        return all_reduce_gradients(self.lightning_module.parameters())
+        return reduce_draft_gradients(self.lightning_module.parameters(), self._layout.draft_sequence_parallel_size)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         # The closure runs forward + backward; averaging right after it puts the sync after the last micro-batch of
