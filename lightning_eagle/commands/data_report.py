@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None, from_sys_argv: bool = False) -> None:
     parser = argparse.ArgumentParser(
         prog="lightning-eagle data-report",
         description="Tokenize the config's chat data as fit would and report rows kept/refused, truncation, "
-        "supervised fraction, lengths, roles and draft-vocab coverage (report.txt, report.json, lengths.png). "
+        "rows and tokens each max_length of 2K-64K would cut, supervised fraction, lengths, roles and draft-vocab "
+        "coverage (report.txt, report.json, lengths.png). "
         "Other options (--config, --data.*, --trainer.*, --model.*) are read as for fit.",
     )
     parser.add_argument("--out", default=None, help="output folder (default: <trainer.default_root_dir>/data_report)")

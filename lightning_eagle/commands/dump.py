@@ -24,7 +24,8 @@ def main(words: list[str] | None = None, from_sys_argv: bool = False) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="storage dtype of the states")
     parser.add_argument("--hidden-states", default="prenorm", choices=fmt.HIDDEN_KINDS,
                         help="final hidden before (default) or after the final norm")  # fmt: skip
-    parser.add_argument("--shard-rows", type=int, default=256, help="rows per shard file")
+    parser.add_argument("--shard-rows", type=int, default=256,
+                        help="rows per shard file (collected in host memory: fewer for long rows)")  # fmt: skip
     args, rest = parser.parse_known_args(sys.argv[1:] if words is None else words)
     cli = chat_data_cli(rest, from_sys_argv or words is None, command="dump")
     trainer = cli.trainer

@@ -29,8 +29,9 @@ from lightning_eagle.data.encoding import DataSummary
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = "lightning_eagle.chat_cache/3"  # 3: supervision counted after the one-token shift
-CHUNK_FORMAT = "lightning_eagle.chat_cache_chunk/2"
+# 3: supervision counted after the one-token shift; 4: the summary counts cuts at other max_lengths (data report)
+CACHE_FORMAT = "lightning_eagle.chat_cache/4"
+CHUNK_FORMAT = "lightning_eagle.chat_cache_chunk/3"
 
 DATA_FILE = "data.safetensors"
 MANIFEST_FILE = "manifest.json"

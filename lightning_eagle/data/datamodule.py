@@ -50,6 +50,10 @@ class _Subset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return self.dataset[self.indices[i]]
 
+    def lengths(self) -> torch.Tensor:
+        """Token count of every row, in subset order (what length bucketing sorts by)."""
+        return self.dataset.lengths()[torch.as_tensor(self.indices, dtype=torch.long)]
+
 
 class _Collate:
     """Picklable collate function (loader worker processes need to pickle it)."""
@@ -103,6 +107,12 @@ class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
         loader_workers: ``DataLoader`` worker processes.
         pad_to_max_length: pad every batch to ``max_length`` instead of its longest row.
         shuffle: shuffle training rows each epoch.
+        bucket_batches: length bucketing of the training batches. None (default): batches of the epoch's shuffled
+            order. ``m >= 1``: each window of ``m * batch_size`` rows of that order is sorted by length and cut into
+            batches (their order shuffled within the window), so a batch is padded only to rows of similar length;
+            still deterministic in ``(seed, epoch)``, every row once per epoch, resumable mid-epoch on any world size
+            (:mod:`lightning_eagle.data.sampler`). Larger ``m``: less padding, batches less random. Validation
+            batches keep the file order.
     """
 
     def __init__(
@@ -130,6 +140,7 @@ class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
         loader_workers: int = 0,
         pad_to_max_length: bool = False,
         shuffle: bool = True,
+        bucket_batches: int | None = None,
     ) -> None:
         super().__init__()
         check_settings("data", {
@@ -137,9 +148,16 @@ class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
             "seed": (seed, "non_negative", int), "loader_workers": (loader_workers, "non_negative", int),
             **({} if tokenize_workers is None else {"tokenize_workers": (tokenize_workers, "positive", int)}),
             **({} if draft_vocab_size is None else {"draft_vocab_size": (draft_vocab_size, "positive", int)}),
+            **({} if bucket_batches is None else {"bucket_batches": (bucket_batches, "positive", int)}),
+            "max_length": (max_length, "positive", int),
         })  # fmt: skip
         if max_length < 2:
             raise ValueError(f"data.max_length must be at least 2, got {max_length}")
+        if bucket_batches is not None and pad_to_max_length:
+            raise ValueError(
+                "data.bucket_batches groups rows of similar length so each batch is padded to its longest row, "
+                "data.pad_to_max_length pads every batch to max_length: set one of them, got both"
+            )
         if on_bad_row not in ("raise", "skip"):
             raise ValueError(f"on_bad_row must be 'raise' or 'skip', got {on_bad_row!r}")
         if format not in FORMATS:
@@ -150,7 +168,7 @@ class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
         self.batch_size, self.max_length, self.seed = batch_size, max_length, seed
         self.val_fraction, self.shuffle, self.pad_to_max_length = val_fraction, shuffle, pad_to_max_length
         self.on_bad_row, self.tokenize_workers, self.loader_workers = on_bad_row, tokenize_workers, loader_workers
-        self.format = format
+        self.format, self.bucket_batches = format, None if bucket_batches is None else int(bucket_batches)
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.use_cache = use_cache
         self.render_options = {"thinking": thinking, "thinking_effort": thinking_effort}
@@ -320,7 +338,8 @@ class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
             raise RuntimeError("call setup() before train_dataloader()")
         return self.resumable_train_loader(
             self.train_dataset, batch_size=self.batch_size, seed=self.seed, shuffle=self.shuffle,
-            collate_fn=self._collate(), num_workers=self.loader_workers, persistent_workers=self.loader_workers > 0,
+            bucket_batches=self.bucket_batches, collate_fn=self._collate(), num_workers=self.loader_workers,
+            persistent_workers=self.loader_workers > 0,
         )  # fmt: skip
 
     def val_dataloader(self) -> DataLoader | list:

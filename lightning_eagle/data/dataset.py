@@ -41,6 +41,7 @@ from lightning_eagle.data.encoding import (
     EncodedChunk,
     EncodeOptions,
     RowEncoder,
+    cut_lengths,
     read_chunks,
 )
 from lightning_eagle.data.formats import Source, resolve_sources
@@ -178,7 +179,7 @@ class TokenizedChatDataset(torch.utils.data.Dataset):
                     summary.add_counts(store.summaries[index])
                     reused += 1
                     continue
-                part = EncodedChunk(file_index)
+                part = EncodedChunk(file_index, cut_lengths(options.max_length))
                 part.consume(items, results, options.on_bad_row)
                 summary.add_counts(part.summary)
                 if store is not None:

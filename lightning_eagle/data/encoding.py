@@ -39,6 +39,13 @@ DEFAULT_CHUNK_ROWS = 2048
 # Short segments (markers, tag and attribute names, role names) repeat in every row: their ids are memoized.
 MEMO_MAX_CHARS = 48
 MEMO_MAX_ENTRIES = 1 << 16
+# The max_length values whose cuts every tokenization counts (with the configured one), for the data report's table.
+REPORT_CUT_LENGTHS = (2048, 4096, 8192, 16384, 32768, 65536)
+
+
+def cut_lengths(max_length: int) -> tuple[int, ...]:
+    """The lengths :class:`DataSummary` counts cuts at: :data:`REPORT_CUT_LENGTHS` and ``max_length``, ascending."""
+    return tuple(sorted({*REPORT_CUT_LENGTHS, int(max_length)}))
 
 
 @dataclass
@@ -55,6 +62,9 @@ class DataSummary:
     tokens: int = 0
     supervised_tokens: int = 0
     formats: list[str] = field(default_factory=list)  # the format each file was read in (parallel to ``files``)
+    rendered_tokens: int = 0  # tokens of every tokenized row before the cut (kept or dropped)
+    # str(L) -> [rows longer than L, tokens beyond L] over every tokenized row, for each L of ``cut_lengths``
+    length_cuts: dict[str, list[int]] = field(default_factory=dict)
 
     def describe(self) -> str:
         counts = {f: self.formats.count(f) for f in dict.fromkeys(self.formats)}
@@ -80,8 +90,13 @@ class DataSummary:
             "rows_kept",
             "tokens",
             "supervised_tokens",
+            "rendered_tokens",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        for length, (rows, tokens) in other.length_cuts.items():
+            mine = self.length_cuts.setdefault(length, [0, 0])
+            mine[0] += rows
+            mine[1] += tokens
         room = MAX_BAD_ROW_EXAMPLES - len(self.bad_row_examples)
         self.bad_row_examples += other.bad_row_examples[: max(room, 0)]
 
@@ -130,7 +145,8 @@ class RowEncoder:
         return {**self.__dict__, "_memo": {}}
 
     def __call__(self, job: RowJob) -> tuple:
-        """``("ok", ids, mask, truncated)`` (ids an ``array("i")``, mask ``bytes``: cheap to send between processes)
+        """``("ok", ids, mask, full_length)`` (ids an ``array("i")`` cut to ``max_length``, mask ``bytes``: cheap to
+        send between processes; ``full_length`` the row's length before the cut)
         or ``("bad", field, problem)``. Parsing and normalizing happen here too, so they run in the workers."""
         try:
             row = prepare_row(job.item, job.format)
@@ -150,8 +166,7 @@ class RowEncoder:
             return ("bad", source_field(field_name, row.fields), problem or str(exc))
         except RecursionError:
             return ("bad", "<json>", TOO_DEEP)
-        max_length = self.options.max_length
-        truncated = len(ids) > max_length
+        max_length, full_length = self.options.max_length, len(ids)
         ids = ids[:max_length]
         if stored_mask is not None:
             mask = list(stored_mask[:max_length])
@@ -161,7 +176,7 @@ class RowEncoder:
                 raise RuntimeError(
                     f"recovery {self.recovery.name!r} returned {len(mask)} mask values for {len(ids)} ids"
                 )
-        return ("ok", array("i", ids), bytes(mask), truncated)
+        return ("ok", array("i", ids), bytes(mask), full_length)
 
     def _encode(self, segments: Sequence[Any]) -> list[int]:
         if not self.memoize:
@@ -286,10 +301,12 @@ def read_chunks(sources: Sequence[Source], chunk_rows: int) -> Iterator[list[Row
 
 
 class EncodedChunk:
-    """The kept rows of one chunk (unsupervised rows dropped) and its counts."""
+    """The kept rows of one chunk (unsupervised rows dropped) and its counts; cuts are counted at each length of
+    ``cuts`` (:func:`cut_lengths`) over every tokenized row."""
 
-    def __init__(self, file_index: dict[str, int]) -> None:
-        self.summary = DataSummary()
+    def __init__(self, file_index: dict[str, int], cuts: Sequence[int] = ()) -> None:
+        self.summary = DataSummary(length_cuts={str(n): [0, 0] for n in cuts})
+        self.cuts = tuple(int(n) for n in cuts)
         self.file_index = file_index
         self.ids = array("i")  # 4 bytes per token, not a Python int each
         self.masks = array("B")
@@ -310,8 +327,14 @@ class EncodedChunk:
             else:
                 self.add(where.file, where.line, *result[1:])
 
-    def add(self, file: str, line: int, ids: array, mask: bytes, truncated: bool) -> None:
-        self.summary.rows_truncated += int(truncated)
+    def add(self, file: str, line: int, ids: array, mask: bytes, full_length: int) -> None:
+        self.summary.rows_truncated += int(full_length > len(ids))
+        self.summary.rendered_tokens += full_length
+        for n in self.cuts:
+            if full_length > n:
+                counts = self.summary.length_cuts[str(n)]
+                counts[0] += 1
+                counts[1] += full_length - n
         # counted after the one-token shift: a supervised first token has no context to be predicted from, so a row
         # supervised only there trains nothing (before: loss 0, tau 1.0, an untrained draft exported, exit 0)
         supervised = mask[1:].count(1)

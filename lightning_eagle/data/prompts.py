@@ -67,10 +67,15 @@ def prompts_from_token_rows(rows: Iterable[tuple[Sequence[int], Sequence[int]]],
     return prompts
 
 
-def prompts_from_datamodule(datamodule, max_prompts: int | None = None) -> list[list[int]]:
+def prompts_from_datamodule(
+    datamodule, max_prompts: int | None = None, max_prompt_tokens: int | None = None
+) -> list[list[int]]:
     """Prompts from a :class:`~lightning_eagle.data.ChatDataModule`'s validation rows (held out from training),
     rendered from the source chats with the data module's tokenizer and render options; pre-tokenized rows use their
-    loss-mask spans."""
+    loss-mask spans. Rendered prompts longer than ``max_prompt_tokens`` (None: the data module's ``max_length``) are
+    skipped: with long-context data, a smaller cap keeps speculative decoding's prefill short."""
+    if max_prompt_tokens is None:
+        max_prompt_tokens = datamodule.max_length
     if getattr(datamodule, "val_dataset", None) is None:
         datamodule.setup("validate")
     val = datamodule.val_dataset
@@ -94,7 +99,7 @@ def prompts_from_datamodule(datamodule, max_prompts: int | None = None) -> list[
             data = sources[file].get(line)
         if isinstance(data, dict) and "messages" in data:
             prompts += prompts_from_chats(
-                [data], datamodule.tokenizer, left, datamodule.max_length, **datamodule.render_options
+                [data], datamodule.tokenizer, left, max_prompt_tokens, **datamodule.render_options
             )
         else:
             item = base[idx]

@@ -10,6 +10,7 @@ What it reports, per input (training files / explicit validation files) and per 
   ``max_length``. Tokenization always lists malformed rows: with ``on_bad_row="raise"`` a failing pass is repeated
   with ``skip`` (both passes read and write the data module's cache under their own keys, so a later ``fit`` with the
   same options reads them back);
+* rows (and tokens) each ``max_length`` of 2K-64K, and the configured one, would cut (:mod:`.report_cuts`);
 * supervised-token fraction (``loss_mask`` sum / tokens), token lengths (statistics, a table of bins, the plot);
 * messages per role (and assistant tool calls) in the source rows, over all parsed rows and over the kept rows of
   each split;
@@ -33,6 +34,7 @@ import torch
 
 from lightning_eagle.data.dataset import TokenizedChatDataset
 from lightning_eagle.data.formats import iter_rows
+from lightning_eagle.data.report_cuts import LengthCut, length_cut_lines, length_cuts
 from lightning_eagle.data.report_plot import bin_width, plot_lengths
 from lightning_eagle.data.rows import DataRowError
 from lightning_eagle.data.vocab_map import select_draft_tokens
@@ -71,6 +73,7 @@ class SourceStats:
     row_formats: dict[str, int]  # "chat" / "pretokenized" / "other" / "unreadable" over the source rows
     roles: dict[str, int]  # messages per role over every parsed source row (refused ones included)
     tool_calls: int  # assistant tool calls over every parsed source row
+    rendered_tokens: int = 0  # tokens of the tokenized rows before the cut at max_length
 
 
 @dataclass
@@ -119,6 +122,7 @@ class DataReport:
     splits: list[SplitStats]
     length_bins: list[LengthBin]
     coverage: list[CoveragePoint]
+    length_cuts: list[LengthCut] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     plot: str | None = None
 
@@ -143,6 +147,7 @@ class DataReport:
             splits=[SplitStats(**s) for s in data["splits"]],
             length_bins=[LengthBin(**b) for b in data["length_bins"]],
             coverage=[CoveragePoint(**c) for c in data["coverage"]],
+            length_cuts=[LengthCut(**c) for c in data.get("length_cuts", [])],
             notes=list(data.get("notes", [])),
             plot=data.get("plot"),
         )
@@ -187,6 +192,9 @@ class DataReport:
                 more = f", first {shown}" if shown < src.rows_refused else ""
                 lines.append(f"  refused rows ({src.rows_refused}{more}):")
                 lines += [f"    {e}" for e in src.refused_examples]
+        if self.length_cuts:
+            rows = sum(src.rows_read - src.rows_refused for src in self.sources)
+            lines += ["", *length_cut_lines(self.length_cuts, rows, sum(src.rendered_tokens for src in self.sources))]
 
         splits = self.splits
         lines += ["", _row("Splits", [sp.name for sp in splits])]
@@ -312,6 +320,7 @@ def data_report(
             dm.draft_vocab_size,
             dm.forced_vocab_ids,
         ),  # fmt: skip
+        length_cuts=length_cuts([train.summary] + ([val.summary] if val is not None else []), dm.max_length),
     )
     report.notes = _notes(report, dm)
     if out_dir is not None:
@@ -381,6 +390,7 @@ def _source_stats(name: str, data: TokenizedChatDataset) -> SourceStats:
         row_formats={},
         roles={},
         tool_calls=0,
+        rendered_tokens=s.rendered_tokens,
     )
 
 

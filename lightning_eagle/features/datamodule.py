@@ -45,6 +45,13 @@ class FeatureRows(torch.utils.data.Dataset):
             self._offsets[k] = self._handles[k].get_tensor("offsets")
         return self._handles[k], self._offsets[k]
 
+    def lengths(self) -> torch.Tensor:
+        """Token count of every row ``[start, stop)``, from the shards' ``offsets`` (what length bucketing sorts by)."""
+        first, last = self.start // self.shard_rows, (self.stop - 1) // self.shard_rows
+        parts = [torch.diff(self._shard(k)[1]) for k in range(first, last + 1)] if self.stop > self.start else []
+        begin = self.start - first * self.shard_rows
+        return torch.cat(parts)[begin : begin + len(self)] if parts else torch.zeros(0, dtype=torch.int64)
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         row = self.start + i
         handle, offsets = self._shard(row // self.shard_rows)
@@ -84,6 +91,8 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
         batch_size: rows per batch. seed / shuffle: training order. loader_workers: ``DataLoader`` workers.
         verify: every shard is checked against the manifest when the data module is built: ``"checksum"`` (sha256,
             reads the whole dump once) or ``"size"`` (against its header only, for dumps too large to hash).
+        bucket_batches: length bucketing, as ``ChatDataModule``'s (the same value, batch size and seed give the
+            online run's batches).
     """
 
     def __init__(
@@ -94,12 +103,15 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
         shuffle: bool = True,
         loader_workers: int = 0,
         verify: Literal["checksum", "size"] = "checksum",
+        bucket_batches: int | None = None,
     ) -> None:
         super().__init__()
         check_settings("data", {
             "batch_size": (batch_size, "positive", int), "loader_workers": (loader_workers, "non_negative", int),
             **({} if seed is None else {"seed": (seed, "non_negative", int)}),
+            **({} if bucket_batches is None else {"bucket_batches": (bucket_batches, "positive", int)}),
         })  # fmt: skip
+        self.bucket_batches = None if bucket_batches is None else int(bucket_batches)
         self.folder = Path(features_dir).expanduser()
         manifest_path = self.folder / fmt.MANIFEST_NAME
         if not manifest_path.is_file():
@@ -160,8 +172,8 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
     def train_dataloader(self) -> ResumableDataLoader:
         return self.resumable_train_loader(
             self.train_dataset, batch_size=self.batch_size, seed=self.seed, shuffle=self.shuffle,
-            collate_fn=_FeatureCollate(self.pad_token_id), num_workers=self.loader_workers,
-            persistent_workers=self.loader_workers > 0,
+            bucket_batches=self.bucket_batches, collate_fn=_FeatureCollate(self.pad_token_id),
+            num_workers=self.loader_workers, persistent_workers=self.loader_workers > 0,
         )  # fmt: skip
 
     @override

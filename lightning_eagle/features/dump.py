@@ -52,10 +52,38 @@ class _RankSampler(DistributedSampler):
         return self.n
 
 
+class _DumpRows:
+    """The training split then the validation rows, read from the data module's datasets when a batch is built (the
+    cache is memory-mapped: holding every row as int64 tensors would take 16 bytes per token of host memory)."""
+
+    def __init__(self, train, val) -> None:
+        self.parts = [p for p in (train, val) if p is not None]
+        self.counts = [len(p) for p in self.parts]
+
+    def __len__(self) -> int:
+        return sum(self.counts)
+
+    def __getitem__(self, row: int) -> dict[str, torch.Tensor]:
+        for part, count in zip(self.parts, self.counts):
+            if row < count:
+                return part[row]
+            row -= count
+        raise IndexError(row)
+
+    def lengths(self) -> list[int]:
+        return [n for p in self.parts for n in _lengths(p)]
+
+
+def _lengths(dataset) -> list[int]:
+    if hasattr(dataset, "lengths"):
+        return [int(n) for n in dataset.lengths()]
+    return [int(dataset[i]["input_ids"].numel()) for i in range(len(dataset))]
+
+
 class _Batches(torch.utils.data.Dataset):
     """This rank's batches: ``(shard, row_ids)`` or ``(None, row_ids)`` for a padding batch that is not written."""
 
-    def __init__(self, rows: list[dict[str, torch.Tensor]], plan: list[tuple[int | None, list[int]]], pad_id: int):
+    def __init__(self, rows: _DumpRows, plan: list[tuple[int | None, list[int]]], pad_id: int):
         self.rows, self.plan, self.pad_id = rows, plan, pad_id
 
     @override
@@ -89,7 +117,8 @@ class FeatureDumper(pl.LightningModule):
         self.data, self.out_dir = datamodule, Path(out_dir)
         self.dtype_name, self.hidden_kind, self.shard_rows = dtype, hidden_states, shard_rows
         self.target = None
-        self.rows: list[dict[str, torch.Tensor]] = []
+        self.rows = _DumpRows(None, None)
+        self.row_lengths: list[int] = []
         self.plan: dict[str, Any] = {}
         self.written_names: set[str] = set()  # shards this process wrote (the writer adds them)
 
@@ -123,11 +152,11 @@ class FeatureDumper(pl.LightningModule):
     def _plan(self) -> dict[str, Any]:
         data = self.data
         data.setup("fit")
-        self.rows = [data.train_dataset[i] for i in range(len(data.train_dataset))]
-        val_rows = [data.val_dataset[i] for i in range(len(data.val_dataset))] if data.val_dataset else []
-        train_count = len(self.rows)
-        self.rows += val_rows
-        tokens = sum(int(r["input_ids"].numel()) for r in self.rows)
+        self.rows = _DumpRows(data.train_dataset, data.val_dataset or None)
+        self.row_lengths = self.rows.lengths()
+        train_count = len(data.train_dataset)
+        val_count = len(self.rows) - train_count
+        tokens = sum(self.row_lengths)
         hidden, aux_ids = self.target_spec.config.hidden_size, list(self.target_spec.aux_layer_ids)
         mapping = data.vocab_mapping
         plan = {
@@ -150,7 +179,7 @@ class FeatureDumper(pl.LightningModule):
             },  # fmt: skip
             "vocab_map": {"fingerprint": mapping.fingerprint, "draft_vocab_size": int(mapping.selected.numel())},
             "shard_rows": self.shard_rows,
-            "rows": {"train": train_count, "val": len(val_rows)},
+            "rows": {"train": train_count, "val": val_count},
             "tokens": tokens,
             "bytes_per_token": fmt.bytes_per_token(hidden, len(aux_ids), self.dtype_name),
             "num_shards": max(1, math.ceil(len(self.rows) / self.shard_rows)),
@@ -170,13 +199,16 @@ class FeatureDumper(pl.LightningModule):
         ]
 
     def check_disk(self, pending: list[int]) -> None:
-        tokens = sum(int(self.rows[r]["input_ids"].numel()) for k in pending for r in self.shard_rows_of(k))
-        need = tokens * self.plan["bytes_per_token"]
+        shard_tokens = [sum(self.row_lengths[r] for r in self.shard_rows_of(k)) for k in pending]
+        need = sum(shard_tokens) * self.plan["bytes_per_token"]
         free = shutil.disk_usage(self.out_dir).free
+        # a shard's rows are collected in host memory until it is written: with long rows, lower --shard-rows
+        largest = max(shard_tokens, default=0) * self.plan["bytes_per_token"]
         rank_zero_info(
             f"dump: {self.plan['tokens']} tokens in {len(self.rows)} rows, {self.plan['bytes_per_token']} bytes/token "
             f"({self.dtype_name}) = {self.plan['tokens'] * self.plan['bytes_per_token'] / 1e9:.3f} GB in all; "
-            f"this rank writes {need / 1e9:.3f} GB to {self.out_dir} ({free / 1e9:.1f} GB free)"
+            f"this rank writes {need / 1e9:.3f} GB to {self.out_dir} ({free / 1e9:.1f} GB free); its largest shard "
+            f"is held in host memory until written: {largest / 1e9:.3f} GB (--shard-rows {self.shard_rows})"
         )
         if need > free:
             raise OSError(
