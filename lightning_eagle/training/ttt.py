@@ -17,6 +17,12 @@ Research hooks — pass replacements to :func:`ttt_loss`:
   :func:`~lightning_eagle.training.loss.soft_cross_entropy`);
 * ``step_weights_fn(ttt_steps, decay) -> [K]`` (default :func:`~lightning_eagle.training.loss.step_weights`); the loss
   is ``Σ w_k L_k / Σ w_k``.
+
+``loss_backend`` (:data:`~lightning_eagle.training.chunked_loss.LOSS_BACKEND`): ``"plain"`` (default; the twin every
+hook above works with) or ``"chunked"`` — the fused, chunked ``lm_head`` + soft CE against a
+:class:`~lightning_eagle.training.teacher.ChunkedTeacher` (no ``[B,T,N_d]`` logits, log-probs or teacher probs per
+step; the teacher hook is called with ``chunked=True``, ``step_loss_fn`` must stay the default); ``"auto"`` picks per
+device (:func:`~lightning_eagle.training.chunked_loss.default_loss_backend`).
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ import torch.utils.checkpoint
 
 from lightning_eagle.draft.cache import TTTCache
 from lightning_eagle.settings import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS
+from lightning_eagle.training.chunked_loss import DEFAULT_LOSS_CHUNK, LOSS_BACKEND, check_loss_chunk, chunked_step_loss
 from lightning_eagle.training.loss import soft_cross_entropy, step_weights
 from lightning_eagle.training.shift import shift_left
-from lightning_eagle.training.teacher import Teacher, compute_teacher
+from lightning_eagle.training.teacher import ChunkedTeacher, Teacher, compute_teacher
 
 
 @dataclass
@@ -45,7 +52,7 @@ class TTTOutput:
     step_prefix_hits: torch.Tensor  # [K] Σ AND_{j≤k} correct_j
     step_valid: torch.Tensor  # [K] Σ AND_{j≤k} lm_j (loss gate without the vocab condition)
     step_weights: torch.Tensor  # [K] unnormalised step weights
-    teacher: Teacher
+    teacher: Teacher | ChunkedTeacher  # ChunkedTeacher (no .probs) with loss_backend="chunked"
     draft_argmax: torch.Tensor | None = None  # [K,B,T] draft ids, with return_argmax=True
 
     @property
@@ -108,23 +115,41 @@ def ttt_loss(
     step_loss_fn: Callable[..., torch.Tensor] = soft_cross_entropy,
     step_weights_fn: Callable[..., torch.Tensor] = step_weights,
     return_argmax: bool = False,
+    loss_backend: str = "plain",
+    loss_chunk: int = DEFAULT_LOSS_CHUNK,
 ) -> TTTOutput:
     """Run the K-step TTT unroll on one post-shift batch and return the weighted loss and per-step counts.
 
     Shapes: ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B,T]``; ``aux_hidden_states`` ``[B,T,3H_t]``; teacher
     source: ``target_logits [B,T,V]``, or ``final_hidden [B,T,H_t]`` + ``lm_head_weight [V,H_t]`` (chunked, never
-    ``[B,T,V]``), or a precomputed ``teacher``. ``ttt_steps`` (K) and ``step_decay`` are the unroll's settings.
+    ``[B,T,V]``), or a precomputed ``teacher``. ``ttt_steps`` (K) and ``step_decay`` are the unroll's settings;
+    ``loss_backend`` (``"plain"``, ``"chunked"``, ``"auto"``) and ``loss_chunk`` (rows per chunk of the chunked
+    backend) say how each step's loss is computed (same values either way).
     """
     K, decay = ttt_steps, step_decay
-    if teacher is None:
-        teacher = teacher_fn(
-            draft, loss_mask, target_logits=target_logits, final_hidden=final_hidden, lm_head_weight=lm_head_weight
-        )
     B, T = input_ids.shape
     device = input_ids.device
+    chunked = LOSS_BACKEND.resolve(loss_backend, device) == "chunked"
+    if chunked:
+        check_loss_chunk(loss_chunk)
+        if step_loss_fn is not soft_cross_entropy:
+            raise ValueError(
+                f"loss_backend='chunked' computes the soft cross-entropy itself (it never forms the logits a "
+                f"step_loss_fn takes); got step_loss_fn={getattr(step_loss_fn, '__qualname__', step_loss_fn)!r}: "
+                "use loss_backend='plain' for a custom step loss"
+            )
+    if teacher is None:
+        sources = {"target_logits": target_logits, "final_hidden": final_hidden, "lm_head_weight": lm_head_weight}
+        teacher = teacher_fn(draft, loss_mask, **sources, **({"chunked": True} if chunked else {}))
+    if chunked != isinstance(teacher, ChunkedTeacher):
+        raise TypeError(
+            f"loss_backend={loss_backend!r} needs a {'ChunkedTeacher' if chunked else 'Teacher'}, got "
+            f"{type(teacher).__name__}" + (" (a teacher_fn must honour chunked=True)" if chunked else "")
+        )
     weights = step_weights_fn(K, decay).to(device)
     gate = loss_mask.to(torch.bool)
-    teacher_argmax = teacher.probs.argmax(dim=-1)  # [B,T] draft ids; computed once, sliced per step
+    # [B,T] draft ids; computed once, sliced per step
+    teacher_argmax = teacher.draft_argmax if chunked else teacher.probs.argmax(dim=-1)
     hidden = draft.project(aux_hidden_states)
     cache = TTTCache()
     ids = input_ids
@@ -135,12 +160,17 @@ def ttt_loss(
         if k:
             ids = shift_left(ids)
         hidden = draft_step_fn(draft, ids, hidden, attention_mask, cache)
-        logits = draft.logits(hidden)
         n = max(T - k, 0)  # slots whose step-k target exists; the zero-filled tail is never supervised
-        probs_k, pos_k, gate_k = teacher.probs[:, k:], teacher.pos[:, k:], gate[:, k:]
-        losses.append(step_loss_fn(logits[:, :n], probs_k, pos_k))
+        pos_k, gate_k = teacher.pos[:, k:], gate[:, k:]
+        if chunked:
+            loss_k, pred = chunked_step_loss(draft, hidden, teacher, k, chunk=loss_chunk, all_argmax=return_argmax)
+            losses.append(loss_k)
+        else:
+            logits = draft.logits(hidden)
+            losses.append(step_loss_fn(logits[:, :n], teacher.probs[:, k:], pos_k))
         with torch.no_grad():
-            pred = logits.argmax(dim=-1)
+            if not chunked:
+                pred = logits.argmax(dim=-1)
             hit = (pred[:, :n] == teacher_argmax[:, k:]) & pos_k
             hits[:, :n] &= hit
             hits[:, n:] = False
