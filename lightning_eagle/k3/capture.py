@@ -34,7 +34,10 @@ def check_aux_stream(aux_stream: str) -> None:
 def aux_taps(model, aux_layer_ids: list[int], aux_stream: str = "prefix") -> Iterator[dict]:
     """The tap rule: while active, every forward of ``model`` (a full forward or an incremental one, which runs the
     same layer and norm modules) stores tap ``i``'s tensor under key ``i`` of the yielded dict (ids validated by the
-    caller). Read them with :func:`stack_taps`."""
+    caller; each forward of the text model starts the dict afresh). Read them with :func:`stack_taps` / :func:`tap`.
+
+    A token-chunked forward (``token_chunk``) calls a decoder layer once but its norms once per token segment, in
+    order: an input tap then holds the segments' tensors, which :func:`tap` joins along the token dimension."""
     check_aux_stream(aux_stream)
     layers = model.model.layers
     L = len(layers)
@@ -49,11 +52,12 @@ def aux_taps(model, aux_layer_ids: list[int], aux_stream: str = "prefix") -> Ite
 
     def keep_input(idx):
         def hook(_module, args):
-            captured[idx] = args[0]
+            captured.setdefault(idx, []).append(args[0])
 
         return hook
 
     try:
+        handles.append(model.model.register_forward_pre_hook(lambda _module, _args: captured.clear()))
         for i in aux_layer_ids:
             if i == L:
                 handles.append(model.model.norm.register_forward_pre_hook(keep_input(i)))
@@ -71,7 +75,15 @@ def aux_taps(model, aux_layer_ids: list[int], aux_stream: str = "prefix") -> Ite
 
 def stack_taps(captured: dict, aux_layer_ids: list[int]) -> torch.Tensor:
     """``[B,T,len(ids)·H]``: the taps concatenated in the given order."""
-    return torch.cat([captured[i] for i in aux_layer_ids], dim=-1)
+    return torch.cat([tap(captured, i) for i in aux_layer_ids], dim=-1)
+
+
+def tap(captured: dict, idx: int) -> torch.Tensor:
+    """Tap ``idx`` as one ``[B,T,H]`` tensor (an input tap's token segments joined in order)."""
+    value = captured[idx]
+    if isinstance(value, torch.Tensor):
+        return value
+    return value[0] if len(value) == 1 else torch.cat(value, dim=1)
 
 
 @torch.no_grad()
@@ -90,5 +102,5 @@ def capture_hidden_states(
     with aux_taps(model, ids + [L] if return_prenorm else ids, aux_stream) as captured:
         out = model(input_ids, attention_mask, return_logits=return_logits)
     return CaptureOutput(
-        stack_taps(captured, ids), out.hidden_states, out.logits, captured.get(L) if return_prenorm else None
+        stack_taps(captured, ids), out.hidden_states, out.logits, tap(captured, L) if return_prenorm else None
     )

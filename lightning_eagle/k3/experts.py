@@ -27,6 +27,9 @@ The grouped forward (:meth:`RoutedExperts.forward`) runs one batched computation
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -134,6 +137,19 @@ class RoutedExperts(RenamedSettings, nn.Module):
             self.register_buffer("down_scale", torch.zeros(count, Hl, inter // GROUP_SIZE, **u8))
         self.beta, self.linear_beta = beta, linear_beta
         self.experts_backend = "auto"  # see the module docstring
+        self._decoded: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None  # see decoded_once
+
+    @contextmanager
+    def decoded_once(self) -> Iterator[RoutedExperts]:
+        """Within the block, MXFP4 storage is decoded by the first grouped forward and the decoded layer reused by
+        the next ones (the token segments of one chunked layer: one decode per layer, not one per segment). The
+        decoded layer, the grouped forward's largest transient anyway, stays alive until the block ends. A no-op
+        for dequantized storage."""
+        self._decoded = {}
+        try:
+            yield self
+        finally:
+            self._decoded = None
 
     @property
     def is_complete(self) -> bool:
@@ -163,9 +179,14 @@ class RoutedExperts(RenamedSettings, nn.Module):
         per tensor (the results are transposed views of the decoded ``[n, out, in]`` rows)."""
         if self.storage == "dequantized":
             return self.gate_up_proj, self.down_proj
+        if self._decoded is not None and dtype in self._decoded:
+            return self._decoded[dtype]
         gate_up = decode_mxfp4(self.gate_up_packed, self.gate_up_scale, dtype=dtype, check_scales=False)
         down = decode_mxfp4(self.down_packed, self.down_scale, dtype=dtype, check_scales=False)
-        return gate_up.transpose(-1, -2), down.transpose(-1, -2)
+        weights = gate_up.transpose(-1, -2), down.transpose(-1, -2)
+        if self._decoded is not None:
+            self._decoded[dtype] = weights
+        return weights
 
     def forward(self, z: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         """Grouped path. Returns the fp32 partial sum ``Σ_j w_j · y_{e_j}`` over the (token, slot) pairs routed to

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -12,6 +13,7 @@ from lightning_eagle.k3.attn_res import attn_res_mix, res_weights
 from lightning_eagle.k3.config import KimiK3TextConfig
 from lightning_eagle.k3.kda import KimiDeltaAttention
 from lightning_eagle.k3.moe import K3SparseMoE
+from lightning_eagle.k3.token_chunks import TokenSegments, segment_token_mixer
 from lightning_eagle.ops.mla import NoPEMLA
 from lightning_eagle.ops.norm import K3RMSNorm
 from lightning_eagle.ops.situ import SituMLP
@@ -69,11 +71,23 @@ class K3DecoderLayer(nn.Module):
         attn_mask: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
         token_mixer: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        segments: TokenSegments | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``token_mixer``: ``x ↦ self_attn(x)`` in another form (incremental decoding passes one that continues
-        from a cache); None = :meth:`token_mixer` over the whole sequence with the masks."""
+        from a cache); None = :meth:`token_mixer` over the whole sequence with the masks.
+
+        ``segments``: run the layer segment by segment (:mod:`lightning_eagle.k3.token_chunks`; ``token_mask`` is
+        then the binary ``[B,T]`` mask or None, ``attn_mask`` and ``token_mixer`` unused). One call either way, so
+        forward hooks (aux taps, FSDP2 gathers) fire once per layer."""
+        if segments is not None:
+            return self._forward_segments(p, bank, token_mask, segments)
         if token_mixer is None:
             token_mixer = partial(self.token_mixer, attn_mask=attn_mask, token_mask=token_mask)
+        return self._mix(p, bank, token_mixer)
+
+    def _mix(
+        self, p: torch.Tensor, bank: list[torch.Tensor], token_mixer: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.block_size is None:  # plain pre-norm residual stream
             h = p + token_mixer(self.input_layernorm(p))
             return h + self.channel_mixer(self.post_attention_layernorm(h)), bank
@@ -86,3 +100,29 @@ class K3DecoderLayer(nn.Module):
         m_in = attn_res_mix(p, bank, self.mlp_res_norm, self.mlp_res_proj)
         p = p + self.channel_mixer(self.post_attention_layernorm(m_in))
         return p, bank
+
+    def _forward_segments(
+        self, p: torch.Tensor, bank: list[torch.Tensor], token_mask: torch.Tensor | None, segments: TokenSegments
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`_mix` per segment into one ``[B,T,H]`` output; the token mixer carries its state across them."""
+        mixer = segment_token_mixer(self.self_attn, p.shape[1], token_mask)
+        moe = getattr(self, "block_sparse_moe", None)
+        out = None
+        # MXFP4 experts decoded once for all segments of the layer, not once per segment.
+        with moe.experts.decoded_once() if moe is not None else nullcontext():
+            for start, stop in segments.bounds:
+                if start == stop:
+                    if moe is not None:
+                        # An empty segment (another EP rank holds more tokens): the MoE exchange runs, on 0 tokens.
+                        moe(p[:, start:stop])
+                    continue
+                part, _ = self._mix(
+                    p[:, start:stop], [b[:, start:stop] for b in bank], partial(mixer, start=start, stop=stop)
+                )
+                if out is None:
+                    out = part.new_empty(p.shape[0], p.shape[1], part.shape[-1])
+                out[:, start:stop] = part
+        if out is None:  # no tokens at all
+            out = torch.empty_like(p)
+        commit = self.block_size is not None and self.layer_idx % self.block_size == 0
+        return out, ([*bank, p] if commit else bank)

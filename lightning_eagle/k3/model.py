@@ -19,6 +19,7 @@ from lightning_eagle.k3.experts import EXPERTS_BACKEND, RoutedExperts
 from lightning_eagle.k3.fp32_parameters import is_fp32_parameter
 from lightning_eagle.k3.kda import KDA_BACKEND, KimiDeltaAttention
 from lightning_eagle.k3.layer import K3DecoderLayer
+from lightning_eagle.k3.token_chunks import agreed_segments, check_chunked_call, check_token_chunk
 from lightning_eagle.ops.mla import MLA_BACKEND, RENAMED_MLA_SETTINGS, NoPEMLA, causal_allowed_mask
 from lightning_eagle.ops.norm import K3RMSNorm
 
@@ -67,6 +68,16 @@ def set_backends(
     return model
 
 
+def set_token_chunk(model: nn.Module, token_chunk: int | None) -> nn.Module:
+    """Set ``token_chunk`` (tokens per segment of the layer-major chunked forward, None = unchunked; see
+    :mod:`lightning_eagle.k3.token_chunks`) on every K3 text model in ``model``. Returns ``model``."""
+    token_chunk = check_token_chunk(token_chunk)
+    for module in model.modules():
+        if isinstance(module, KimiK3TextModel):
+            module.token_chunk = token_chunk
+    return model
+
+
 class KimiK3TextModel(nn.Module):
     def __init__(
         self,
@@ -84,6 +95,16 @@ class KimiK3TextModel(nn.Module):
         self.norm = K3RMSNorm(H, eps=config.rms_norm_eps)
         if config.attn_res_block_size is not None:
             self.output_attn_res_norm, self.output_attn_res_proj = res_weights(H, config.rms_norm_eps)
+        self.token_chunk = None
+
+    @property
+    def token_chunk(self) -> int | None:
+        """Tokens per segment of the chunked forward (:mod:`lightning_eagle.k3.token_chunks`); None = unchunked."""
+        return self._token_chunk
+
+    @token_chunk.setter
+    def token_chunk(self, value: int | None) -> None:
+        self._token_chunk = check_token_chunk(value)
 
     def forward(
         self,
@@ -94,7 +115,11 @@ class KimiK3TextModel(nn.Module):
         """Returns the post-norm final hidden ``[B,T,H]`` (the output mixer runs before ``norm``).
 
         ``token_mixers``: one per layer, replacing the full-sequence token mixers (incremental decoding passes
-        mixers that continue from its caches; they handle their own masking, ``attention_mask`` is then unused)."""
+        mixers that continue from its caches; they handle their own masking, ``attention_mask`` is then unused).
+        With ``token_chunk`` set (and no ``token_mixers``) the layers run segment by segment
+        (:meth:`forward_segments`)."""
+        if token_mixers is None and self.token_chunk is not None:
+            return self.forward_segments(input_ids, attention_mask, self.token_chunk)
         h = self.embed_tokens(input_ids)
         if token_mixers is None:
             if attention_mask is not None and bool((attention_mask == 1).all()):
@@ -107,6 +132,30 @@ class KimiK3TextModel(nn.Module):
         for layer, token_mixer in zip(self.layers, token_mixers, strict=True):
             h, bank = layer(h, bank, token_mixer=token_mixer)
         return self.norm(self.output_mixer(h, bank))
+
+    def forward_segments(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, token_chunk: int
+    ) -> torch.Tensor:
+        """:meth:`forward` with every layer, the output mixer and the final norm run layer-major in segments of
+        ``token_chunk`` tokens (no autograd; right/left-padded binary masks only)."""
+        check_chunked_call(self, attention_mask, token_chunk)
+        with torch.no_grad():
+            if attention_mask is not None and bool((attention_mask == 1).all()):
+                attention_mask = None  # all-ones: the unmasked path, as in the unchunked forward
+            h = self.embed_tokens(input_ids)
+            segments = agreed_segments(self.layers, input_ids.shape[1], token_chunk, h.device)
+            bank: list[torch.Tensor] = []
+            for layer in self.layers:
+                h, bank = layer(h, bank, token_mask=attention_mask, segments=segments)
+            out = None
+            for start, stop in segments.bounds:
+                if start == stop:
+                    continue
+                part = self.norm(self.output_mixer(h[:, start:stop], [b[:, start:stop] for b in bank]))
+                if out is None:
+                    out = part.new_empty(h.shape[0], h.shape[1], part.shape[-1])
+                out[:, start:stop] = part
+            return torch.empty_like(h) if out is None else out
 
     def output_mixer(self, h: torch.Tensor, bank: list[torch.Tensor]) -> torch.Tensor:
         """AttnRes over the last layer's prefix and the bank (identity without AttnRes): the final norm's input."""
@@ -123,7 +172,10 @@ class KimiK3ForCausalLM(nn.Module):
     The fast paths, each ``"auto"`` by default and switched later by :func:`set_backends`: ``kda_backend``
     (:data:`~lightning_eagle.k3.kda.KDA_BACKEND`), ``mla_backend`` (``"sdpa"`` fused kernels or ``"eager"``, the
     readable twin; :data:`~lightning_eagle.ops.mla.MLA_BACKEND`) and ``experts_backend`` (``"grouped_mm"`` or
-    ``"bmm"``; :data:`~lightning_eagle.k3.experts.EXPERTS_BACKEND`).
+    ``"bmm"``; :data:`~lightning_eagle.k3.experts.EXPERTS_BACKEND`). ``token_chunk`` (None, the default, or tokens
+    per segment; switched later by :func:`set_token_chunk`): run every layer layer-major in token segments, so the
+    forward's working set grows with the segment, not the sequence (:mod:`lightning_eagle.k3.token_chunks`; exact,
+    no autograd).
     """
 
     def __init__(
@@ -134,6 +186,7 @@ class KimiK3ForCausalLM(nn.Module):
         expert_storage: str = "dequantized",
         mla_backend: str = "auto",
         experts_backend: str = "auto",
+        token_chunk: int | None = None,
         **renamed,
     ) -> None:
         refuse_renamed_keywords(type(self).__name__, renamed, RENAMED_MLA_SETTINGS)
@@ -143,6 +196,7 @@ class KimiK3ForCausalLM(nn.Module):
         self.model = KimiK3TextModel(config, expert_range, expert_storage)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         set_backends(self, kda_backend=kda_backend, mla_backend=mla_backend, experts_backend=experts_backend)
+        set_token_chunk(self, token_chunk)
 
     # ---- construction ---------------------------------------------------------------------------------------------
     @classmethod
@@ -157,6 +211,7 @@ class KimiK3ForCausalLM(nn.Module):
         mla_backend: str = "auto",
         experts_backend: str = "auto",
         shard=None,
+        token_chunk: int | None = None,
         **renamed,
     ) -> KimiK3ForCausalLM:
         """Load a released-layout checkpoint directory (outer VLM or bare text ``config.json``; single or sharded
@@ -165,8 +220,8 @@ class KimiK3ForCausalLM(nn.Module):
 
         ``expert_storage="mxfp4"`` keeps routed experts MXFP4-packed in memory (each MoE layer decodes all its
         experts once per forward); ``"dequantized"`` decodes them once to ``dtype`` at load. The ``*_backend``
-        settings as in the constructor. ``shard``: splits the meta-device model's dense weights before loading (see
-        :mod:`lightning_eagle.parallel.dense_shard`); each rank then reads only its rows."""
+        settings and ``token_chunk`` as in the constructor. ``shard``: splits the meta-device model's dense weights
+        before loading (see :mod:`lightning_eagle.parallel.dense_shard`); each rank then reads only its rows."""
         refuse_renamed_keywords(f"{cls.__name__}.from_pretrained", renamed, RENAMED_MLA_SETTINGS)
         # Imported here: the loader reads checkpoints, which building or running a model never needs.
         from lightning_eagle.k3.loader import load_k3_checkpoint
@@ -179,6 +234,7 @@ class KimiK3ForCausalLM(nn.Module):
                 expert_storage=expert_storage,
                 mla_backend=mla_backend,
                 experts_backend=experts_backend,
+                token_chunk=token_chunk,
             )
 
         return load_k3_checkpoint(path, build, dtype=dtype, device=device, shard=shard)

@@ -74,6 +74,14 @@ class _GroupDispatcher:
         check_expert_slice(experts, self.ep_size, self.ep_rank)
         return self._dispatch(experts, x_TD, topk_idx_TK, topk_weight_TK)
 
+    def max_over_group(self, value: int, device: torch.device) -> int:
+        """The largest ``value`` over the EP group (one all-reduce): the token-chunked target forward agrees on its
+        segment count with it, so every rank makes the same number of dispatch calls per layer (``k3/token_chunks.py``;
+        a rank with fewer tokens dispatches empty segments, which both dispatchers handle)."""
+        t = torch.tensor([value], dtype=torch.long, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t)
+
     def _dispatch(
         self, experts: RoutedExperts, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor
     ) -> torch.Tensor:
