@@ -16,11 +16,16 @@ generation prompt (what a K3 server sees). The report pools all verification rou
   forwards only, and of plain target-only decoding over the same prompts; ``speedup`` is their ratio on this
   machine. At temperature 0 the two outputs must agree token for token (``greedy_mismatches`` counts prompts that
   did not — 0 unless something is broken or two logits tie to fp32 rounding).
+
+Long prompts: ``max_prompt_tokens`` skips prompts longer than the cap (each costs a target prefill of its length);
+those kept are prefilled ``prefill_chunk`` tokens per forward by both decodings, so memory grows linearly with the
+prompt (:func:`~lightning_eagle.inference.speculative_generate`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -29,9 +34,12 @@ from typing import Any
 
 import torch
 
-from lightning_eagle.data.prompts import resolve_prompts
+from lightning_eagle.data.prompts import prompts_from_datamodule, resolve_prompts
+from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from lightning_eagle.inference.plain import plain_generate
 from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS, VerificationRounds, speculative_generate
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -153,6 +161,36 @@ def engine_acceptance(drafts: int, draft_tokens: int, accepted_per_position: lis
 
 
 # ---- evaluation -----------------------------------------------------------------------------------------------------
+def check_max_prompt_tokens(max_prompt_tokens: int | None) -> int | None:
+    """``max_prompt_tokens``: the longest prompt kept (a positive int) or None (no cap of our own)."""
+    if max_prompt_tokens is None:
+        return None
+    if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
+        raise ValueError(
+            f"max_prompt_tokens must be a positive int (the longest prompt kept, in tokens) or None (no cap), got "
+            f"{max_prompt_tokens!r}"
+        )
+    return max_prompt_tokens
+
+
+def capped_prompts(
+    data, tokenizer, num_prompts: int | None, render_options: dict[str, Any], max_prompt_tokens: int | None = None
+) -> list[list[int]]:
+    """The first ``num_prompts`` prompts of ``data`` (as :func:`~lightning_eagle.data.prompts.resolve_prompts`) of at
+    most ``max_prompt_tokens`` tokens. A ``ChatDataModule`` applies its own ``max_length`` when the cap is None."""
+    check_max_prompt_tokens(max_prompt_tokens)
+    if hasattr(data, "val_dataset") and hasattr(data, "tokenizer"):
+        return prompts_from_datamodule(data, num_prompts, max_prompt_tokens)
+    prompts = resolve_prompts(data, tokenizer, num_prompts, render_options)
+    if max_prompt_tokens is None:
+        return prompts[:num_prompts]
+    kept = [p for p in prompts if len(p) <= max_prompt_tokens]
+    if num_prompts is not None and len(kept) < num_prompts <= len(prompts):
+        # The source stopped at num_prompts before the cap dropped some: read all of it, then take the first ones.
+        kept = [p for p in resolve_prompts(data, tokenizer, None, render_options) if len(p) <= max_prompt_tokens]
+    return kept[:num_prompts]
+
+
 @torch.no_grad()
 def evaluate_acceptance(
     target,
@@ -171,6 +209,8 @@ def evaluate_acceptance(
     warmup: bool = True,
     thinking: bool = True,
     thinking_effort: str | None = None,
+    max_prompt_tokens: int | None = None,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
 ) -> AcceptanceReport:
     """Speculative decoding over held-out prompts → :class:`AcceptanceReport` (see the module docstring).
 
@@ -185,15 +225,29 @@ def evaluate_acceptance(
             losslessness check).
         warmup: one short untimed run first (allocator / first-call costs are not decoding speed).
         thinking / thinking_effort: render options for chats (as in training).
+        max_prompt_tokens: prompts longer than this are skipped (the first ``num_prompts`` that fit are used); None
+            = no cap (a ``ChatDataModule``'s prompts: its ``max_length``). Each prompt costs one target prefill of
+            its length in both decodings; raises when no prompt fits.
+        prefill_chunk: prompt tokens per prefill forward (None = the whole prompt in one forward; memory then has
+            ``[T,T]`` transients wherever an eager attention core runs).
     """
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
         # None once meant "the draft config's ttt_steps"; the draft config now records only the architecture.
         raise TypeError(f"num_draft_tokens must be an int (K tokens drafted per round), got {num_draft_tokens!r}")
     K = num_draft_tokens
     render_options = {"thinking": thinking, "thinking_effort": thinking_effort}
-    prompts = resolve_prompts(data, tokenizer, num_prompts, render_options)[:num_prompts]
+    check_prefill_chunk(prefill_chunk)
+    prompts = capped_prompts(data, tokenizer, num_prompts, render_options, max_prompt_tokens)
     if not prompts:
-        raise ValueError("no prompts: the data holds no conversation with an assistant turn")
+        capped = "" if max_prompt_tokens is None else f" of at most max_prompt_tokens={max_prompt_tokens} tokens"
+        raise ValueError(f"no prompts{capped}: the data holds no such conversation with an assistant turn")
+    if len(prompts) < num_prompts and max_prompt_tokens is not None:
+        log.warning(
+            "evaluate_acceptance: only %d of num_prompts=%d prompts fit max_prompt_tokens=%d",
+            len(prompts),
+            num_prompts,
+            max_prompt_tokens,
+        )
     vocab = target.config.vocab_size
     too_big = [max(p) for p in prompts if max(p) >= vocab]
     if too_big:
@@ -204,7 +258,7 @@ def evaluate_acceptance(
     was_training = draft.training if hasattr(draft, "training") else False
     if hasattr(draft, "eval"):
         draft.eval()
-    common = {"stop_token_ids": stop_token_ids}
+    common = {"stop_token_ids": stop_token_ids, "prefill_chunk": prefill_chunk}
     try:
         if warmup:
             speculative_generate(target, draft, prompts[0], 4, K, temperature, seed, aux_layer_ids, **common)

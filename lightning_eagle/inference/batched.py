@@ -23,8 +23,12 @@ run the target's own forward with the cached token mixers of :mod:`~lightning_ea
 :func:`~lightning_eagle.inference.plain.plain_generate` (identical at B = 1; at B > 1 only the matmul blocking of
 the BLAS kernels may differ, i.e. fp32 rounding, tested to give the same greedy tokens on the tiny target).
 
-Not implemented: paged / preallocated KV memory (keys are concatenated per step by ``MLALayerCache.update``), prefix
-sharing between prompts, and chunked prefill of very long prompts (a prompt is prefilled in one forward).
+Long prompts: ``prefill_chunk`` prefills a left-padded group ``C`` positions per forward (each chunk continues the
+group's caches, its padding masked as in one forward), so the MLA masks are boolean ``[B,1,C,L]`` and the layers'
+working sets ``C`` tokens wide; None = one forward (the twin, ``[B,1,T,T]`` masks).
+
+Not implemented: paged / preallocated KV memory (keys are concatenated per step by ``MLALayerCache.update``) and
+prefix sharing between prompts.
 """
 
 from __future__ import annotations
@@ -38,10 +42,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk, chunk_bounds
 from lightning_eagle.inference.sampling import pick_token, target_probs
 from lightning_eagle.inference.speculative import make_generator
 from lightning_eagle.inference.target_cache import KDALayerCache, MLALayerCache, kda_extend
-from lightning_eagle.ops.mla import causal_additive_mask
+from lightning_eagle.ops.mla import causal_allowed_mask
 
 
 # ---- caches ----------------------------------------------------------------------------------------------------------
@@ -121,15 +126,18 @@ def _layer_mixer(
 
 @torch.no_grad()
 def _forward(model, input_ids: torch.Tensor, state: BatchedState | None, keep: torch.Tensor | None, recurrence: str):
-    """One forward over ``input_ids [B,T]``: a prefill (``state`` None, ``keep`` the left-padding mask) or a decode
-    step (T = 1, every row real). Returns the last position's logits ``[B,V]`` and the new state."""
+    """One forward over ``input_ids [B,T]``: a prefill or one chunk of it (``keep`` the left-padding mask of these
+    positions; ``state`` None for the first) or a decode step (T = 1, every row real). Returns the last position's
+    logits ``[B,V]`` and the new state."""
     inner = model.model
     B, T = input_ids.shape
     device = input_ids.device
     new = torch.ones(B, T, dtype=torch.bool, device=device) if keep is None else keep
     valid = new if state is None else torch.cat([state.valid, new], dim=1)
     past = valid.shape[1] - T
-    mask = causal_additive_mask(None if keep is None and state is None else valid, T, torch.float32, device, past)
+    # Boolean: both MLA cores read it exactly as the additive form (sdpa as `allowed`, eager as 0 / fp32 min), at a
+    # quarter of the transient.
+    mask = causal_allowed_mask(None if keep is None and state is None else valid, T, device, past)
     new_layers: list[tuple] = []
     mixers = [
         _layer_mixer(layer, None if state is None else state.layers[i], keep, mask, recurrence, new_layers)
@@ -140,9 +148,15 @@ def _forward(model, input_ids: torch.Tensor, state: BatchedState | None, keep: t
 
 
 def batched_prefill(
-    model, prompts: Sequence[Sequence[int]], pad_token_id: int = 0, kda_recurrence: str = "auto"
+    model,
+    prompts: Sequence[Sequence[int]],
+    pad_token_id: int = 0,
+    kda_recurrence: str = "auto",
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
 ) -> tuple[torch.Tensor, BatchedState]:
-    """Prefill left-padded ``prompts`` in one forward; returns the last-position logits ``[B,V]`` and the caches."""
+    """Prefill left-padded ``prompts``, ``prefill_chunk`` positions per forward (None = one forward); returns the
+    last-position logits ``[B,V]`` and the caches."""
+    check_prefill_chunk(prefill_chunk)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("batched_prefill needs at least one prompt and no empty prompt")
     device = model.lm_head.weight.device
@@ -152,8 +166,12 @@ def batched_prefill(
     for b, prompt in enumerate(prompts):
         ids[b, T - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
         keep[b, T - len(prompt) :] = True
-    padded = not bool(keep.all())
-    return _forward(model, ids.to(device), None, keep.to(device) if padded else None, kda_recurrence)
+    ids, keep = ids.to(device), keep.to(device) if not bool(keep.all()) else None
+    state = None
+    for start, stop in chunk_bounds(T, prefill_chunk):
+        chunk_keep = None if keep is None else keep[:, start:stop]
+        logits, state = _forward(model, ids[:, start:stop], state, chunk_keep, kda_recurrence)
+    return logits, state
 
 
 def batched_step(
@@ -216,7 +234,8 @@ class BatchedGenerator:
 
     ``submit`` queues requests, each ``step()`` admits what fits, runs one decode forward and returns the requests
     that finished; :meth:`generate` does it all for a list. ``stop_token_ids`` end a sequence (the stop token is
-    kept in ``tokens``, as in :func:`~lightning_eagle.inference.plain.plain_generate`).
+    kept in ``tokens``, as in :func:`~lightning_eagle.inference.plain.plain_generate`). ``prefill_chunk``: positions
+    per prefill forward of an admitted group (None = one forward).
     """
 
     def __init__(
@@ -226,7 +245,9 @@ class BatchedGenerator:
         max_batch_size: int = 8,
         pad_token_id: int | None = None,
         kda_recurrence: str = "auto",
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ) -> None:
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
         self.model = model
@@ -291,7 +312,11 @@ class BatchedGenerator:
                 group.append(_Active(request, gen))
             if group:
                 logits, state = batched_prefill(
-                    self.model, [row.request.prompt for row in group], self.pad_token_id, self.kda_recurrence
+                    self.model,
+                    [row.request.prompt for row in group],
+                    self.pad_token_id,
+                    self.kda_recurrence,
+                    self.prefill_chunk,
                 )
                 self.forwards += 1
                 self.active += group

@@ -6,6 +6,11 @@ the data module's validation rows, cut before an assistant turn — and logs ``v
 ``val/tau_sim``, plus ``val/accept_real_{k}`` (P(draft k+1 accepted | drafts 1..k accepted), 0-based like the
 per-step training metrics).
 
+Long-context data: prompts longer than ``max_prompt_tokens`` (default :data:`DEFAULT_CALLBACK_PROMPT_TOKENS` = 4096)
+are skipped, because every validation run pays one target prefill per prompt and decoding; the prompts kept are
+prefilled ``prefill_chunk`` tokens per forward (memory linear in the prompt). ``max_prompt_tokens: null`` takes
+every validation prompt up to the data module's ``max_length``.
+
 Runs on global rank 0 only, except when the target's experts are sharded over ranks (expert parallelism): then every
 rank must take part in every target forward, so all ranks decode the same prompts and rank 0 logs.
 
@@ -14,7 +19,7 @@ YAML::
     trainer:
       callbacks:
         - class_path: lightning_eagle.inference.callback.AcceptanceCallback
-          init_args: {every_n_epochs: 1, num_prompts: 8, max_new_tokens: 32}
+          init_args: {every_n_epochs: 1, num_prompts: 8, max_new_tokens: 32, max_prompt_tokens: 4096}
 """
 
 from __future__ import annotations
@@ -26,10 +31,15 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from lightning_eagle.data.prompts import prompts_from_datamodule, resolve_prompts
-from lightning_eagle.inference.acceptance import evaluate_acceptance
+from lightning_eagle.data.prompts import prompts_from_datamodule
+from lightning_eagle.inference.acceptance import capped_prompts, check_max_prompt_tokens, evaluate_acceptance
+from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 
 log = logging.getLogger(__name__)
+
+# The longest held-out prompt a validation-time acceptance run decodes: long enough for real multi-turn chats, short
+# enough that a run of a few prompts stays a small share of a validation epoch on long-context (64K) data.
+DEFAULT_CALLBACK_PROMPT_TOKENS = 4096
 
 
 @runtime_checkable
@@ -78,6 +88,9 @@ class AcceptanceCallback(pl.Callback):
     compare_plain: also decode with the target alone and log ``val/speedup_real`` (doubles the cost).
     target: a K3 checkpoint (or ``"quickstart"``) to decode against when the module has no target of its own
         (training from dumped features); loaded once, on the draft's device, in fp32. None = skip such runs.
+    max_prompt_tokens: prompts longer than this are skipped (default 4096, see the module docstring); None = the
+        data module's ``max_length`` (validation rows) or no cap (``prompts_file``, dumped features' prompts).
+    prefill_chunk: prompt tokens per prefill forward (default 2048; None = the whole prompt in one forward).
     """
 
     def __init__(
@@ -91,9 +104,13 @@ class AcceptanceCallback(pl.Callback):
         compare_plain: bool = False,
         seed: int = 0,
         target: str | None = None,
+        max_prompt_tokens: int | None = DEFAULT_CALLBACK_PROMPT_TOKENS,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ) -> None:
         if every_n_epochs < 1 or num_prompts < 1 or max_new_tokens < 1:
             raise ValueError("every_n_epochs, num_prompts and max_new_tokens must be >= 1")
+        self.max_prompt_tokens = check_max_prompt_tokens(max_prompt_tokens)
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self.every_n_epochs, self.num_prompts, self.max_new_tokens = every_n_epochs, num_prompts, max_new_tokens
         self.num_draft_tokens, self.temperature, self.seed = num_draft_tokens, temperature, seed
         self.prompts_file, self.compare_plain = prompts_file, compare_plain
@@ -103,19 +120,25 @@ class AcceptanceCallback(pl.Callback):
 
     def prompts(self, trainer: pl.Trainer) -> list[list[int]]:
         if self._prompts is None:
-            datamodule = getattr(trainer, "datamodule", None)
+            datamodule, cap = getattr(trainer, "datamodule", None), self.max_prompt_tokens
             if self.prompts_file is not None:
                 tokenizer = getattr(datamodule, "tokenizer", None)
                 options = dict(getattr(datamodule, "render_options", {"thinking": True, "thinking_effort": None}))
-                self._prompts = resolve_prompts(self.prompts_file, tokenizer, self.num_prompts, options)
+                self._prompts = capped_prompts(self.prompts_file, tokenizer, self.num_prompts, options, cap)
             elif hasattr(datamodule, "held_out_prompts"):  # dumped features: the online run's prompts
                 self._prompts = datamodule.held_out_prompts(self.num_prompts)
+                if cap is not None:
+                    self._prompts = [p for p in self._prompts if len(p) <= cap]
             elif datamodule is not None and hasattr(datamodule, "val_dataset"):
-                self._prompts = prompts_from_datamodule(datamodule, self.num_prompts)
+                self._prompts = prompts_from_datamodule(datamodule, self.num_prompts, cap)
             else:
                 self._prompts = []
             if not self._prompts:
-                log.warning("AcceptanceCallback: no held-out prompts (no validation rows / prompts_file); skipped")
+                log.warning(
+                    "AcceptanceCallback: no held-out prompts (no validation rows / prompts_file, or none of at most "
+                    "max_prompt_tokens=%s tokens); skipped",
+                    cap,
+                )
         return self._prompts
 
     def _own_target(self, device: torch.device):
@@ -156,6 +179,7 @@ class AcceptanceCallback(pl.Callback):
                 aux_layer_ids=draft_config.aux_layer_ids,
                 compare_plain=self.compare_plain,
                 warmup=False,
+                prefill_chunk=self.prefill_chunk,
             )
         self.last_report = report
         if trainer.global_rank != 0:

@@ -16,6 +16,11 @@ of slots ≤ t** plus **this slot's own keys of steps 1..k**. Hence two caches:
 The layer maths reuse the draft's own modules (``draft.step_with`` → ``midlayer.run``: the same combine, projections,
 MLP and norms as training; ``logits``); only the attention core is replaced by the two-cache form above.
 
+:meth:`DraftRunner.extend` attends with the MLA core named by ``mla_backend`` (``"sdpa"``: no score tensor, a boolean
+``[T,L]`` causal mask after a prefix, none for the first extension; ``"eager"``: fp32 ``[B,n,T,L]`` scores, the
+twin). A long prompt is extended chunk by chunk (the speculative loop's ``prefill_chunk``): each call's transients are
+``[C,L]`` per head and the slots equal one extension over the whole prompt to fp32 rounding.
+
 Positions (rotary drafts, ``architecture="deepseek_mla"``; the NoPE K3 draft ignores them): context slot t stands at
 position t (the target position of its aux features, as in the engines' draft-extend pass), and chain step j of the
 last slot n−1 at n−1+j — the TTT convention ``t + k`` (:mod:`lightning_eagle.draft.deepseek_mla`). Keys are cached
@@ -35,7 +40,9 @@ from typing import Protocol
 
 import torch
 
+from lightning_eagle.backends import BackendSetting
 from lightning_eagle.draft.block_attention import accumulate_dtype
+from lightning_eagle.ops.mla import MLA_BACKEND, MLA_CORES
 
 
 @dataclass
@@ -78,15 +85,6 @@ def draft_layer_step(
     The same ops as ``KimiK3Eagle3Draft.layer`` (both run ``midlayer.run``; the inference tests check it against the
     training-time TTT unroll for both architectures)."""
     return draft.step_with(input_ids, hidden, attend, positions)
-
-
-def _softmax_attend(q, keys, values, scale, mask=None) -> torch.Tensor:
-    """Scores in the input dtype, softmax in fp32 (as the TTT eager backend), probabilities back to q's dtype."""
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores + mask
-    probs = torch.softmax(scores.to(accumulate_dtype(scores.dtype)), dim=-1).to(q.dtype)
-    return torch.matmul(probs, values)
 
 
 def ensure_draft_embedding(draft, target=None) -> None:
@@ -132,11 +130,15 @@ class DraftRunner:
     rows share a length).
 
     ``target`` (optional) fills a missing draft embedding (:func:`ensure_draft_embedding`); without it a missing one
-    raises."""
+    raises. ``mla_backend``: the attention core of :meth:`extend` (:data:`~lightning_eagle.ops.mla.MLA_BACKEND`:
+    ``"auto"`` = ``"sdpa"``, or ``"eager"``)."""
 
-    def __init__(self, draft, target=None) -> None:
+    mla_backend = BackendSetting(MLA_BACKEND)
+
+    def __init__(self, draft, target=None, mla_backend: str = "auto") -> None:
         ensure_draft_embedding(draft, target)
         self.draft = draft
+        self.mla_backend = mla_backend
         self.reset()
 
     def reset(self) -> None:
@@ -167,14 +169,14 @@ class DraftRunner:
         scale = self.draft.midlayer.scale
         positions = torch.arange(self.length, self.length + next_ids.shape[1], device=device)  # slot t at t
 
+        core = MLA_CORES[MLA_BACKEND.resolve(self.mla_backend, device)]
+
         def attend(q, k, v):
             self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
             self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
-            T, L = q.shape[2], self.keys.shape[2]
-            # Step-0 semantics: causal over the context slots (new slot i stands at L−T+i).
-            allowed = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - T, L, device=q.device)[:, None]
-            mask = torch.zeros(T, L, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
-            return _softmax_attend(q, self.keys, self.values, scale, mask)
+            # Step-0 semantics: causal over the context slots, new slot i standing at L−T+i (mask None = causal
+            # with the cached keys in front: the cores build at most a [T,L] mask, none when nothing is cached).
+            return core(q, self.keys, self.values, None, scale)
 
         h = draft_layer_step(self.draft, next_ids.to(device), hidden, attend, positions)
         self.last_hidden = h[:, -1:]

@@ -11,6 +11,11 @@ output mixer, final norm) with each layer's token mixer continued from its cache
 * id L (either stream): the input of the final norm, after the output mixer.
 
 Outputs with the cache equal a full ``target.capture(...)`` over the whole sequence to fp32 rounding (tests).
+
+Long prompts: ``prefill(ids, chunk=C)`` runs the prompt as a prefill of its first ``C`` tokens and non-rollbackable
+extensions of ``C`` tokens each (:func:`chunk_bounds`), so a layer's transients (MLA scores or masks ``[C,L]``, MoE
+and KDA working sets of ``C`` tokens) are bounded by ``C``, never ``[T,T]``; the caches are the same tensors as a
+single-shot prefill (``chunk=None``, the twin) to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -24,6 +29,28 @@ import torch
 from lightning_eagle.aux_layers import validate_aux_layer_ids
 from lightning_eagle.inference.target_cache import KDALayerCache, MLALayerCache, kda_extend
 from lightning_eagle.k3.capture import aux_taps, check_aux_stream, stack_taps
+
+# Prompt tokens per prefill forward when the caller does not choose: [C,L] attention transients stay small at 64K
+# (2048 x 65536 booleans per mask) while a chunk is still wide enough to keep the device busy.
+DEFAULT_PREFILL_CHUNK = 2048
+
+
+def check_prefill_chunk(prefill_chunk: int | None) -> int | None:
+    """``prefill_chunk``: prompt tokens per prefill forward (a positive int) or None (the whole prompt at once)."""
+    if prefill_chunk is None:
+        return None
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise ValueError(
+            f"prefill_chunk must be a positive int (prompt tokens per prefill forward) or None (the whole prompt in "
+            f"one forward), got {prefill_chunk!r}"
+        )
+    return prefill_chunk
+
+
+def chunk_bounds(length: int, chunk: int | None) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each prefill forward over ``length`` tokens (one span when ``chunk`` is None)."""
+    chunk = check_prefill_chunk(chunk) or max(length, 1)
+    return [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
 
 
 @dataclass
@@ -92,12 +119,41 @@ class IncrementalTarget:
         self.length = length
 
     # ---- forward ---------------------------------------------------------------------------------------------------
-    def prefill(self, input_ids: torch.Tensor, return_logits: bool | str = "last") -> TargetStep:
+    def prefill(
+        self, input_ids: torch.Tensor, return_logits: bool | str = "last", chunk: int | None = None
+    ) -> TargetStep:
         """Start a new sequence (resets the cache). The prefill is not rollbackable.
 
         ``return_logits``: ``"last"`` (default; only the last position's logits, ``[B,1,V]``), True (all) or False.
+        ``chunk``: prompt tokens per forward (None = one forward); the outputs of the chunks are concatenated, so a
+        caller that must not hold ``[B,T,3H]`` aux states runs the chunks itself (:meth:`prefill_chunk`).
         """
-        self.reset()
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        T = input_ids.shape[1]
+        if T == 0:
+            raise ValueError("prefill needs at least one token")
+        steps = [
+            self.prefill_chunk(input_ids[:, start:stop], start, return_logits if stop == T else return_logits is True)
+            for start, stop in chunk_bounds(T, chunk)
+        ]
+        if len(steps) == 1:
+            return steps[0]
+        logits = steps[-1].logits if return_logits == "last" else None
+        if return_logits is True:
+            logits = torch.cat([s.logits for s in steps], dim=1)
+        aux = None if self.aux_layer_ids is None else torch.cat([s.aux_hidden_states for s in steps], dim=1)
+        hidden = torch.cat([s.hidden_states for s in steps], dim=1)
+        return TargetStep(logits=logits, aux_hidden_states=aux, hidden_states=hidden)
+
+    def prefill_chunk(self, input_ids: torch.Tensor, start: int, return_logits: bool | str = False) -> TargetStep:
+        """One forward of a chunked prefill: the prompt tokens ``start..start+T`` (``input_ids [B,T]``). ``start == 0``
+        starts a new sequence (resets the cache); a later chunk must continue it (``start`` = :attr:`length`). Not
+        rollbackable (no KDA snapshot is kept)."""
+        if start == 0:
+            self.reset()
+        elif start != self.length:
+            raise ValueError(f"prefill chunk starts at position {start}, but the cache holds {self.length} positions")
         return self.extend(input_ids, return_logits=return_logits, rollbackable=False)
 
     @torch.no_grad()

@@ -12,7 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_eagle.inference.incremental_target import IncrementalTarget
+from lightning_eagle.inference.incremental_target import (
+    DEFAULT_PREFILL_CHUNK,
+    IncrementalTarget,
+    check_prefill_chunk,
+    chunk_bounds,
+)
 from lightning_eagle.inference.sampling import pick_token
 from lightning_eagle.inference.speculative import as_prompt_tensor, make_generator
 
@@ -34,8 +39,12 @@ def plain_generate(
     seed: int | None = None,
     *,
     stop_token_ids: Iterable[int] | None = None,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
 ) -> PlainOutput:
-    """Decode ``max_new_tokens`` tokens with the target alone (stop tokens end it, and are kept)."""
+    """Decode ``max_new_tokens`` tokens with the target alone (stop tokens end it, and are kept). ``prefill_chunk``:
+    prompt tokens per prefill forward (None = one forward), as in
+    :func:`~lightning_eagle.inference.speculative_generate`."""
+    check_prefill_chunk(prefill_chunk)
     start = time.perf_counter()
     session = IncrementalTarget(target)
     prompt = as_prompt_tensor(prompt_ids, session.device)
@@ -44,8 +53,10 @@ def plain_generate(
     tokens: list[int] = []
     forwards = 0
     if max_new_tokens > 0:
-        step = session.prefill(prompt)
-        forwards = 1
+        T = prompt.shape[1]
+        for begin, end in chunk_bounds(T, prefill_chunk):
+            step = session.prefill_chunk(prompt[:, begin:end], begin, return_logits="last" if end == T else False)
+        forwards = 1  # the prefill counts once, whatever its number of chunks
         while True:
             tokens.append(pick_token(step.logits[0, -1], temperature, gen))
             if len(tokens) >= max_new_tokens or tokens[-1] in stop:

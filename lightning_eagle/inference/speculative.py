@@ -1,6 +1,14 @@
 """The speculative-decoding loop: chain drafting, one target forward verifies all K drafts, lossless acceptance.
 
-One round, with the target cache holding positions 0..n−1 and x_n already chosen by the target:
+The prefill, in chunks of ``prefill_chunk`` prompt tokens (None = one chunk), for chunk ``[s, e)`` of the prompt:
+
+0. the target extends by ``x_s..x_{e−1}`` (the first chunk starts the cache; no rollback point is kept) and the draft
+   gains slots s..e−1 with the chunk's aux features and next tokens ``x_{s+1}..x_e``. The last slot's next token is
+   the target's first pick (from the last chunk's last logits), so the last chunk's slots wait for it. Transients are
+   ``[C,L]`` per attention head, never ``[T,T]``, and the aux states of one chunk are the only ones alive; the caches
+   equal a single-shot prefill to fp32 rounding.
+
+Then one round, with the target cache holding positions 0..n−1 and x_n already chosen by the target:
 
 1. the draft proposes d_1..d_K from its last slot (:class:`~lightning_eagle.inference.draft_runner.DraftRunner`);
 2. the target extends by ``[x_n, d_1..d_K]`` in **one** forward and returns K+1 logits rows and aux states;
@@ -30,7 +38,12 @@ import torch
 
 from lightning_eagle.inference.aux_ids import check_draft_fits_target, resolve_inference_aux
 from lightning_eagle.inference.draft_runner import DraftRunner
-from lightning_eagle.inference.incremental_target import IncrementalTarget
+from lightning_eagle.inference.incremental_target import (
+    DEFAULT_PREFILL_CHUNK,
+    IncrementalTarget,
+    check_prefill_chunk,
+    chunk_bounds,
+)
 from lightning_eagle.inference.sampling import draft_probs_to_target, greedy_verify, pick_token, rejection_verify
 from lightning_eagle.settings import DEFAULT_TTT_STEPS
 
@@ -65,7 +78,7 @@ class SpeculativeOutput(VerificationRounds):
     tokens: list[int]  # new tokens only
     accepted_per_round: list[int]  # accepted draft tokens per verification round (0..K)
     num_draft_tokens: int
-    target_forwards: int = 0  # prefill + one per round
+    target_forwards: int = 0  # prefill (once, however many chunks) + one per round
     seconds: float = 0.0  # wall time of the whole call
     target_seconds: float = 0.0  # time in target forwards (prefill, verification) and rollbacks
     draft_seconds: float = 0.0  # time in draft extend/propose
@@ -124,6 +137,7 @@ def speculative_generate(
     aux_layer_ids: list[int] | None = None,
     *,
     stop_token_ids: Iterable[int] | None = None,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
 ) -> SpeculativeOutput:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with ``draft`` proposing ``num_draft_tokens``
     per round and ``target`` verifying them. Lossless: greedy output at ``temperature=0``, the target's sampling
@@ -131,12 +145,14 @@ def speculative_generate(
 
     ``aux_layer_ids=None`` uses the ids recorded in the draft's config, else the target's default, else raises
     (:func:`~lightning_eagle.inference.aux_ids.resolve_inference_aux`). ``stop_token_ids`` end generation after the
-    first stop token emitted (kept in ``tokens``). Batch of one prompt.
+    first stop token emitted (kept in ``tokens``). ``prefill_chunk``: prompt tokens per prefill forward of target
+    and draft (step 0 of the module docstring; None = the whole prompt in one forward). Batch of one prompt.
     """
     if max_new_tokens < 0 or num_draft_tokens < 0:
         raise ValueError("max_new_tokens and num_draft_tokens must be >= 0")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    check_prefill_chunk(prefill_chunk)
     start = time.perf_counter()
     drafter, ids, stream = as_drafter(target, draft, aux_layer_ids)
     session = IncrementalTarget(target, ids, stream)
@@ -149,15 +165,25 @@ def speculative_generate(
     if max_new_tokens == 0:
         return out
 
-    t0 = time.perf_counter()
-    step = session.prefill(prompt)
+    # 0. the prefill, chunk by chunk; the draft needs slots only when a round will follow the first token
+    drafting = max_new_tokens > 1
+    if drafting:
+        drafter.reset()
+    T = prompt.shape[1]
+    for begin, end in chunk_bounds(T, prefill_chunk):
+        t0 = time.perf_counter()
+        step = session.prefill_chunk(prompt[:, begin:end], begin, return_logits="last" if end == T else False)
+        t1 = time.perf_counter()
+        out.target_seconds += t1 - t0
+        if drafting and end < T:
+            drafter.extend(step.aux_hidden_states, prompt[:, begin + 1 : end + 1])
+            out.draft_seconds += time.perf_counter() - t1
     token = pick_token(step.logits[0, -1], temperature, gen)
-    out.target_forwards, out.target_seconds = 1, time.perf_counter() - t0
+    out.target_forwards = 1  # the prefill counts once, whatever its number of chunks
     out.tokens, out.stopped = _cut([token], stop)
     if len(out.tokens) < max_new_tokens and not out.stopped:
         t0 = time.perf_counter()
-        drafter.reset()
-        next_ids = torch.cat([prompt[0, 1:], prompt.new_tensor([token])])
+        next_ids = torch.cat([prompt[0, begin + 1 :], prompt.new_tensor([token])])
         drafter.extend(step.aux_hidden_states, next_ids[None])
         out.draft_seconds += time.perf_counter() - t0
 
