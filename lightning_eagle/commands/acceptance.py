@@ -15,6 +15,7 @@ import sys
 import torch
 
 from lightning_eagle.dtypes import DTYPES
+from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK
 from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS
 
 
@@ -46,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", default=None, help="also write the report as JSON here")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None, help="skip prompts longer than this")
+    parser.add_argument(
+        "--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+        help=f"prefill long prompts in chunks of this many tokens (default {DEFAULT_PREFILL_CHUNK}; 0: one shot)",
+    )  # fmt: skip
     return parser
 
 
@@ -78,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         compare_plain=not args.no_plain,
         thinking=not args.no_thinking,
         thinking_effort=args.thinking_effort,
+        max_prompt_tokens=args.max_prompt_tokens,
+        prefill_chunk=args.prefill_chunk or None,
     )
     print(report.format())
     if args.json:
