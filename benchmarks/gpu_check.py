@@ -31,6 +31,42 @@ Sections:
   163840 × 7168 ``lm_head``, per TTT attention backend: step time, tokens/s, model FLOP utilisation, peak memory and
   the loss difference to eager.
 
+The long-context paths (issue 21; bf16 on CUDA at the K3 draft's widths). Each first checks agreement with its
+plain twin at a short length — twice: in fp32 with TF32 off (relative error ``‖Δ‖/‖ref‖`` ≤ 1e-4; only summation
+order differs) and in bf16 against the fp32 twin on the same bf16-exact inputs (the fast path's error at most
+2 × the bf16 twin's own error + 2e-3) — of the output and of every gradient; then measures time and peak memory of
+both at real lengths (``time_ratio`` = fast ms / twin ms, ``peak_ratio`` = fast peak / twin peak; < 1 = cheaper):
+
+* ``chunked_loss`` — ``loss_backend="chunked"`` (``FusedHeadSoftCE`` + ``ChunkedTeacher``) vs ``"plain"``: the teacher
+  from the 163840 × 7168 ``lm_head`` and K = 7 step losses over fixed step hiddens (``ttt_loss`` with every draft step
+  replaced by a given hidden), forward + the gradients of the hiddens, the draft ``lm_head`` and norm; T = 2048 for
+  agreement, 16384 for cost. The target ``lm_head``'s draft-vocabulary rows are doubled so that most slots are
+  supervised (``supervised_share``), as with a real vocabulary map.
+* ``flash_lse_block`` — ``flash_lse`` with the tensor-free ``CausalBlock`` rule (right-padded rows, asserted) through
+  the ``ChunkedKernel`` (CUDA's kernel, forced on CPU too) vs ``eager``: step k's attention (k = 0, 1, K−1) at 96
+  heads, d_qk 192, d_v 128, T = 1000 (not a multiple of the 256-query chunk); cost of step K−1, forward + backward,
+  at T = 4096, 8192 and 16384 (eager's ``[1,96,T,T+k]`` fp32 scores and probabilities do not fit at 16384: a
+  "twin OOM" note).
+* ``latent_cache`` — ``ttt_kv_cache="latent"`` vs ``"expanded"``: flash_lse over MLA latents (r 512 + rope 64,
+  expanded per 256-slot chunk) vs flash_lse over the expanded cache, gradients of q, every latent, rope key and
+  ``kv_b``; cost: one checkpointed TTT step of the draft (flash_lse, chunked loss) at T = 16384 with either cache,
+  whose losses must agree to 1e-2 (``loss_rel_diff``).
+* ``target_chunks`` — the token-chunked target forward (``set_token_chunk(model, C)``) vs unchunked, forward only
+  (the target is frozen): the EAGLE-3 capture (taps ``[0, L//2, L]`` and the final hidden) of a 2-layer slice at K3
+  widths (KDA + dense MLP, gated MLA + latent MoE of 8 experts, AttnRes), T = 2000 with C = 768; bf16 is judged on
+  layer 0's tap (before routing, cf. ``golden``); cost at T = 16384 and 32768 with C = 4096.
+* ``long_context`` — every long-context draft setting at once (flash_lse, latent cache, checkpointed steps, chunked
+  loss) vs the plain combination (eager, expanded, plain steps and loss) at T = 2048: loss and every draft gradient;
+  then one training step at T = 32768 and 65536 (warmed up at 4096): ``step_ms``, ``tokens_per_s``, ``peak_mb``,
+  ``peak_total_mb`` (the allocator's absolute peak: weights and batch included — what must fit the device) and
+  ``peak_ratio_vs_prev``, which must stay ≤ 1.125 × the length ratio (memory linear in T). A length that runs out of
+  memory is reported as "OOM", not as a failure.
+
+Time: the script is sized for < 8 min on one H200; ``--budget-s`` (default 420) skips a section that would start
+later and a ``long_context`` length predicted to end later (status "skipped (time budget)", listed under
+``skipped``); the JSON is rewritten after every section (``complete`` false until the end), with each section's
+seconds under ``meta.section_s``, so a run cut short keeps what it measured.
+
 Model FLOPs of a step (the MFU numerator; B·T tokens, padding included since it is computed):
 
     per token, forward:  2·(P_fc + K·P_step) + Σ_{k<K} 2·n·(d_qk + d_v)·((T+1)/2 + k)
@@ -50,6 +86,7 @@ RSS in isolated processes). Exit status: 1 when any agreement check failed or a 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import math
@@ -65,9 +102,22 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_TARGET = REPO_ROOT / "tests" / "golden" / "target"
-SECTIONS = ("kda_model", "golden", "layers", "ttt_attention", "ttt_step")
+SECTIONS = (
+    "kda_model", "golden", "layers", "ttt_attention", "ttt_step",
+    "chunked_loss", "flash_lse_block", "latent_cache", "target_chunks", "long_context",
+)  # fmt: skip
+DEFAULT_BUDGET_S = 420.0  # the whole script: the GPU session's ~15 min include start-up and a possible rerun
 TTT_BACKENDS = ("eager", "flash_lse", "sdpa_mask", "flex_attention")
 FLA_BACKENDS = ("fla", "fla_chunk")
+
+
+# token_chunks at K3 widths: a 2-layer slice (KDA with the dense MLP, then gated MLA with the latent MoE; AttnRes every
+# layer) with 8 routed experts of K3's width, 4 per token, and a small vocabulary (only the embedding reads it).
+TARGET_SLICE = {
+    "num_hidden_layers": 2, "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2]},
+    "attn_res_block_size": 1, "num_experts": 8, "num_experts_per_token": 4,
+    "vocab_size": 4096, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
 
 
 @dataclass
@@ -82,6 +132,26 @@ class Sizes:
     ttt_seq_len: int = 4096
     ttt_steps: int = 7
     repeats: int = 3
+    # the long-context paths (issue 21); the defaults are the full sizes
+    loss_check_seq_len: int = 2048  # chunked_loss: agreement, K3 draft head
+    loss_seq_len: int = 16384  # chunked_loss: cost
+    loss_chunk: int = 2048
+    block_attention: dict = field(default_factory=lambda: {"B": 2, "n": 96, "T": 1000, "d_qk": 192, "d_v": 128})
+    block_chunk: int = 256  # ChunkedKernel query chunk (its default); T above is not a multiple of it
+    block_cost_seq_lens: tuple = (4096, 8192, 16384)  # eager: ~30 GB, ~115 GB (tight on an H200), OOM
+    latent: dict = field(
+        default_factory=lambda: {"B": 2, "n": 96, "T": 1000, "nope": 128, "rope": 64, "d_v": 128, "r": 512}
+    )
+    latent_chunk: int = 256  # diagonal slots expanded at once
+    latent_cost_seq_len: int = 16384  # latent_cache: one checkpointed TTT step
+    target_preset: str = "k3"
+    target_overrides: dict = field(default_factory=lambda: dict(TARGET_SLICE))
+    target_check: dict = field(default_factory=lambda: {"T": 2000, "chunk": 768})
+    target_cost_seq_lens: tuple = (16384, 32768)
+    target_chunk: int = 4096
+    long_check_seq_len: int = 2048  # long_context: agreement of the whole combination with the plain one
+    long_seq_lens: tuple = (32768, 65536)
+    long_repeats: int = 1  # timed calls of the multi-second steps (latent_cache, long_context)
 
 
 FULL = Sizes(
@@ -95,6 +165,7 @@ FULL = Sizes(
     ttt_seq_len=4096,
     ttt_steps=7,
     repeats=3,
+    # the long-context sections: the field defaults above
 )
 REDUCED = Sizes(
     kda_seq_len=48,
@@ -107,6 +178,23 @@ REDUCED = Sizes(
     ttt_seq_len=128,
     ttt_steps=2,
     repeats=1,
+    loss_check_seq_len=48,
+    loss_seq_len=96,
+    loss_chunk=16,
+    block_attention={"B": 2, "n": 2, "T": 40, "d_qk": 24, "d_v": 16},
+    block_chunk=16,
+    block_cost_seq_lens=(64,),
+    latent={"B": 2, "n": 2, "T": 40, "nope": 16, "rope": 8, "d_v": 16, "r": 32},
+    latent_chunk=16,
+    latent_cost_seq_len=64,
+    target_preset="k3-tiny",
+    target_overrides={},
+    target_check={"T": 40, "chunk": 16},
+    target_cost_seq_lens=(64,),
+    target_chunk=16,
+    long_check_seq_len=48,
+    long_seq_lens=(64, 128),
+    long_repeats=1,
 )
 
 
@@ -117,14 +205,19 @@ def synchronize(device: torch.device) -> None:
 
 
 def release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
+    if device.type == "cuda":  # on CPU nothing is measured and a collection costs ~1 s with lightning imported
+        gc.collect()
         torch.cuda.empty_cache()
 
 
-def measure(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[object, float, float | str]:
-    """``(output of the warm-up call, best ms of the timed calls, peak MB of the timed calls or "n/a")``."""
-    out = fn()
+def measure(
+    fn: Callable[[], object], device: torch.device, repeats: int, warmup: bool = True
+) -> tuple[object, float, float | str]:
+    """``(output of the warm-up call, best ms of the timed calls, peak MB of the timed calls or "n/a")``.
+
+    ``warmup=False`` (a multi-second call, warmed up at a shorter length by the caller): the first timed call's
+    output is returned instead, and the peak includes that output."""
+    out = fn() if warmup else None
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -132,11 +225,19 @@ def measure(fn: Callable[[], object], device: torch.device, repeats: int) -> tup
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()  # the result is dropped at once: the peak is one call's transient plus its output
+        result = fn()  # dropped at once (unless it is the only output): the peak is one call's transient + output
         synchronize(device)
         times.append(time.perf_counter() - start)
+        if out is None:
+            out = result
+        del result
     peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else "n/a"
     return out, 1000 * min(times), peak
+
+
+def total_peak_mb(device: torch.device) -> float | str:
+    """The allocator's absolute peak since :func:`measure` reset it (weights and inputs included), or "n/a"."""
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else "n/a"
 
 
 def is_oom(error: BaseException) -> bool:
@@ -459,8 +560,8 @@ def ttt_step_flops(draft, B: int, T: int, K: int, target_vocab: int, target_hidd
     return B * T * (3 * forward + 2 * target_vocab * target_hidden)
 
 
-def build_ttt_step(device: torch.device, sizes: Sizes):
-    """The draft (bf16) and one post-shift batch with the target's final hidden and lm_head (the chunked teacher)."""
+def build_step_draft(device: torch.device, sizes: Sizes, dtype: torch.dtype = torch.bfloat16):
+    """``(draft in dtype, target config)``: the draft of ``sizes.draft_preset`` (seed 0)."""
     from lightning_eagle.draft import Eagle3DraftConfig, build_draft
     from lightning_eagle.k3 import config_from_name
 
@@ -468,20 +569,32 @@ def build_ttt_step(device: torch.device, sizes: Sizes):
     config = Eagle3DraftConfig.from_target_config(target, **sizes.draft_overrides)
     torch.manual_seed(0)
     with torch.device(device):
-        draft = build_draft(config).to(torch.bfloat16)
-    B, T, V, Ht = 1, sizes.ttt_seq_len, target.vocab_size, target.hidden_size
+        draft = build_draft(config).to(dtype)
+    return draft, target
+
+
+def step_batch(device: torch.device, target, T: int, dtype: torch.dtype = torch.bfloat16, B: int = 1) -> dict:
+    """One right-padded post-shift batch with the target's final hidden and lm_head (the chunked teacher)."""
+    V, Ht = target.vocab_size, target.hidden_size
     g = torch.Generator(device=device).manual_seed(0)
     attention_mask = torch.ones(B, T, dtype=torch.long, device=device)
     attention_mask[:, T - T // 16 :] = 0  # some right padding
-    batch = {
+    return {
         "input_ids": torch.randint(0, V, (B, T), device=device, generator=g),
         "attention_mask": attention_mask,
         "loss_mask": attention_mask.clone(),
-        "aux_hidden_states": torch.randn(B, T, 3 * Ht, device=device, generator=g, dtype=torch.bfloat16),
-        "final_hidden": torch.randn(B, T, Ht, device=device, generator=g, dtype=torch.bfloat16),
-        "lm_head_weight": (0.02 * torch.randn(V, Ht, device=device, generator=g)).to(torch.bfloat16),
+        "aux_hidden_states": torch.randn(B, T, 3 * Ht, device=device, generator=g, dtype=dtype),
+        "final_hidden": torch.randn(B, T, Ht, device=device, generator=g, dtype=dtype),
+        "lm_head_weight": (0.02 * torch.randn(V, Ht, device=device, generator=g)).to(dtype),
     }
-    return draft, batch, ttt_step_flops(draft, B, T, sizes.ttt_steps, V, Ht)
+
+
+def build_ttt_step(device: torch.device, sizes: Sizes):
+    """The draft (bf16) and one post-shift batch with the target's final hidden and lm_head (the chunked teacher)."""
+    draft, target = build_step_draft(device, sizes)
+    B, T = 1, sizes.ttt_seq_len
+    batch = step_batch(device, target, T, B=B)
+    return draft, batch, ttt_step_flops(draft, B, T, sizes.ttt_steps, target.vocab_size, target.hidden_size)
 
 
 def section_ttt_step(device: torch.device, sizes: Sizes, peak_tflops: float | None) -> list[dict]:
@@ -521,6 +634,482 @@ def section_ttt_step(device: torch.device, sizes: Sizes, peak_tflops: float | No
     return rows
 
 
+# ---- (f)–(j) the long-context paths (issue 21): agreement in fp32 and bf16, then cost ------------------------------
+FP32_RTOL = 1e-4  # fp32, TF32 off: fast path and twin differ only in summation order and chunking (~1e-6 relative)
+BF16_FACTOR, BF16_FLOOR = 2.0, 2e-3  # bf16: the fast path's error may be at most twice the twin's own, plus a floor
+LOSS_RTOL_BF16 = 1e-2  # two bf16 TTT steps of the same math: loss differences ~1e-3 relative; a wrong mask is O(0.1)
+LINEAR_SLACK = 1.125  # memory linear in T: peak(2T) / peak(T) <= 2.25 (T x T transients would give ~4)
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """``‖a − ref‖₂ / ‖ref‖₂`` in fp32 (``‖a‖₂`` alone when the reference is zero)."""
+    ref = ref.float()
+    return ((a.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def bf16_exact(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to bf16 values, kept in its dtype: fp32 and bf16 runs then start from the same numbers."""
+    return x.detach().to(torch.bfloat16).to(x.dtype)
+
+
+def bf16_exact_module(module: torch.nn.Module, keep=lambda name: False) -> torch.nn.Module:
+    """Round every floating parameter (except those ``keep`` names) to bf16 values in place."""
+    for name, p in module.named_parameters():
+        if p.is_floating_point() and not keep(name):
+            p.data = bf16_exact(p.data)
+    return module
+
+
+def cast_batch(batch: dict, dtype: torch.dtype) -> dict:
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+
+
+def agreement_rows(
+    check: str,
+    run: Callable[[torch.dtype, str], list[torch.Tensor]],
+    labels: tuple[str, str] = ("out", "grad"),
+    judge_rest_in_bf16: bool = True,
+    **extra,
+) -> list[dict]:
+    """Fast path vs twin, in fp32 (TF32 off: tight, ``FP32_RTOL``) and in bf16 against the fp32 twin on the same
+    bf16-exact inputs (the fast path's error at most ``BF16_FACTOR`` × the bf16 twin's own error + ``BF16_FLOOR``).
+
+    ``run(dtype, "fast" | "twin") -> [first, *rest]`` (e.g. the output and the gradients). Relative errors
+    ``‖Δ‖/‖ref‖`` of the first tensor (``{labels[0]}_rel_err``) and the largest over the rest
+    (``{labels[1]}_rel_err``); ``judge_rest_in_bf16=False`` reports the rest in bf16 without judging it. Each result
+    is compared and dropped at once, only the fp32 twin's is kept."""
+    from lightning_eagle.k3.kda_compare import full_fp32
+
+    first, rest = labels
+
+    def errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
+        found = {first: rel_err(got[0], ref[0])}
+        if len(ref) > 1:
+            found[rest] = max(rel_err(a, b) for a, b in zip(got[1:], ref[1:], strict=True))
+        return found
+
+    with full_fp32():
+        ref = run(torch.float32, "twin")
+        fast = errors(run(torch.float32, "fast"), ref)
+    row32 = {"check": check, "dtype": "float32", **extra, **{f"{k}_rel_err": v for k, v in fast.items()}}
+    row32["tolerance"] = FP32_RTOL
+    row32["status"] = "PASS" if max(fast.values()) <= FP32_RTOL else "FAIL"
+    release(ref[0].device)
+    twin = errors(run(torch.bfloat16, "twin"), ref)
+    fast = errors(run(torch.bfloat16, "fast"), ref)
+    row16, ok = {"check": check, "dtype": "bfloat16", **extra}, True
+    for key in fast:
+        row16.update({f"{key}_rel_err": fast[key], f"twin_{key}_rel_err": twin[key]})
+        if key == first or judge_rest_in_bf16:
+            row16[f"{key}_tolerance"] = BF16_FACTOR * twin[key] + BF16_FLOOR
+            ok = ok and fast[key] <= row16[f"{key}_tolerance"]
+    row16["status"] = "PASS" if ok else "FAIL"
+    return [row32, row16]
+
+
+def cost_row(path: str, twin: str, run_fast, run_twin, device, repeats: int, **extra) -> dict:
+    """Time and peak memory of the fast path and its twin at one size; ``time_ratio`` = fast ms / twin ms and
+    ``peak_ratio`` = fast peak / twin peak (< 1: the fast path is cheaper). A fast path that runs out of memory is
+    reported as "OOM" (not a failure: it is what the row measures); a twin that does is a note."""
+    row = {"path": path, "twin": twin, **extra}
+    try:
+        _, row["ms"], row["peak_mb"] = measure(run_fast, device, repeats)
+        row["peak_total_mb"] = total_peak_mb(device)
+    except Exception as error:
+        release(device)
+        return {**row, "status": "OOM" if is_oom(error) else "error", "note": error_text(error)}
+    release(device)
+    row["status"] = "ok"
+    try:
+        _, row["twin_ms"], row["twin_peak_mb"] = measure(run_twin, device, repeats)
+        row["twin_peak_total_mb"] = total_peak_mb(device)
+        row["time_ratio"] = row["ms"] / row["twin_ms"]
+        row["peak_ratio"] = row["peak_mb"] / row["twin_peak_mb"] if device.type == "cuda" else "n/a"
+    except Exception as error:
+        row["note"] = ("twin OOM: " if is_oom(error) else "twin failed: ") + error_text(error)
+    release(device)
+    return row
+
+
+def supervise_most(draft, batch: dict) -> dict:
+    """Double the draft-vocabulary rows of the target ``lm_head`` so that the target's greedy token is mostly a draft
+    token, as with a real vocabulary map (with the default map and random rows only N_d / V of the slots would be
+    supervised, and the chunked loss, which works on supervised slots only, would look cheaper than it is)."""
+    with torch.no_grad():
+        batch["lm_head_weight"][draft.selected_token_ids] *= 2
+    return batch
+
+
+def long_draft_and_batch(device, sizes: Sizes, T: int):
+    """fp32 draft and batch rounded to bf16 values, and their bf16 copies (the same numbers)."""
+    draft32, target = build_step_draft(device, sizes, torch.float32)
+    bf16_exact_module(draft32)
+    batch32 = supervise_most(draft32, step_batch(device, target, T, torch.float32))
+    batch32 = {k: bf16_exact(v) if v.is_floating_point() else v for k, v in batch32.items()}
+    draft16 = copy.deepcopy(draft32).to(torch.bfloat16)
+    return draft32, batch32, draft16, cast_batch(batch32, torch.bfloat16), target
+
+
+def fixed_hiddens(device, draft, T: int, K: int, dtype, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    H = draft.config.hidden_size
+    return [bf16_exact(torch.randn(1, T, H, device=device, generator=g)).to(dtype) for _ in range(K)]
+
+
+def loss_only(draft, batch: dict, hiddens: list[torch.Tensor], loss_backend: str, chunk: int):
+    """``ttt_loss`` with every draft step replaced by a given hidden ``[B,T,H]``: the teacher and K step losses of
+    ``loss_backend`` alone (the ``fc`` projection still runs; its output is unused)."""
+    from lightning_eagle.training import ttt_loss
+
+    steps = iter(hiddens)
+    return ttt_loss(
+        draft, **batch, ttt_steps=len(hiddens), draft_step_fn=lambda *args: next(steps),
+        loss_backend=loss_backend, loss_chunk=chunk,
+    )  # fmt: skip
+
+
+def section_chunked_loss(device: torch.device, sizes: Sizes) -> list[dict]:
+    """``loss_backend="chunked"`` (FusedHeadSoftCE + ChunkedTeacher) vs ``"plain"``: the teacher and the K step
+    losses over fixed step hiddens, forward + backward (gradients of every hidden, the draft lm_head and norm)."""
+    K, T = sizes.ttt_steps, sizes.loss_check_seq_len
+    draft32, batch32, draft16, batch16, target = long_draft_and_batch(device, sizes, T)
+    hiddens = fixed_hiddens(device, draft32, T, K, torch.float32)
+
+    def run(dtype, path):
+        draft, batch = (draft32, batch32) if dtype == torch.float32 else (draft16, batch16)
+        hs = [h.to(dtype).requires_grad_() for h in hiddens]
+        out = loss_only(draft, batch, hs, "chunked" if path == "fast" else "plain", sizes.loss_chunk)
+        params = [draft.lm_head.weight, *draft.norm.parameters()]
+        return [out.loss.detach(), *torch.autograd.grad(out.loss, [*hs, *params])]
+
+    rows = agreement_rows("loss + grads (hiddens, lm_head, norm)", run, T=T, K=K, loss_chunk=sizes.loss_chunk)
+    draft32 = batch32 = batch16 = hiddens = None  # freed before the long lengths (run() is done with them)
+    release(device)
+
+    T = sizes.loss_seq_len
+    batch = supervise_most(draft16, step_batch(device, target, T))
+    hiddens = [h.requires_grad_() for h in fixed_hiddens(device, draft16, T, K, torch.bfloat16)]
+
+    def step(backend):
+        out = loss_only(draft16, batch, hiddens, backend, sizes.loss_chunk)
+        torch.autograd.grad(out.loss, [*hiddens, draft16.lm_head.weight, *draft16.norm.parameters()])
+        return out.teacher.pos.float().mean()
+
+    share = step("chunked").item()
+    rows.append(
+        cost_row(
+            "chunked", "plain", lambda: step("chunked"), lambda: step("plain"), device, sizes.repeats,
+            T=T, K=K, N_d=draft16.config.draft_vocab_size, V=target.vocab_size, supervised_share=share,
+        )
+    )  # fmt: skip
+    return rows
+
+
+def section_flash_lse_block(device: torch.device, sizes: Sizes) -> list[dict]:
+    """``flash_lse`` with the tensor-free CausalBlock rule and the ChunkedKernel (the kernel CUDA runs) vs ``eager``:
+    step k's TTT attention over a right-padded batch, forward + the gradients of q and every cached K/V."""
+    from lightning_eagle.draft import TTTCache
+    from lightning_eagle.draft.block_attention import ChunkedKernel
+    from lightning_eagle.draft.ttt_attention import eager_ttt_attention, flash_lse_ttt_attention, step_zero_rule
+
+    kernel = ChunkedKernel(sizes.block_chunk)
+
+    def fast(q, cache, scale):
+        return flash_lse_ttt_attention(q, cache, scale, kernel=kernel)
+
+    def rule_of(q, keys, values, mask) -> str:
+        cache = TTTCache()
+        cache.bind_mask(mask)
+        cache.append(keys[0], values[0])
+        return type(step_zero_rule(cache, q)).__name__
+
+    dims = dict(sizes.block_attention)
+    scale = dims["d_qk"] ** -0.5
+    rows = []
+    for k in sorted({0, 1, sizes.ttt_steps - 1}):
+        q, keys, values, mask, weight = attention_inputs(device, **dims, steps=k)
+        leaves32 = [bf16_exact(t) for t in (q, *keys, *values)]
+
+        def run(dtype, path, leaves32=leaves32, mask=mask, weight=weight):
+            q, *kv = [t.to(dtype).requires_grad_() for t in leaves32]
+            fn = fast if path == "fast" else eager_ttt_attention
+            out, grads = run_attention(fn, q, kv[: len(kv) // 2], kv[len(kv) // 2 :], mask, weight, scale)
+            return [out, *grads]
+
+        rule = rule_of(q, keys, values, mask)
+        found = agreement_rows(f"step {k} attention + grads", run, T=dims["T"], step=k, block_rule=rule)
+        for row in found:
+            if rule != "CausalBlock":  # the path under test builds no [T,T] mask
+                row.update(status="FAIL", note=f"expected the CausalBlock rule, flash_lse got {rule}")
+        rows += found
+    release(device)
+
+    k = sizes.ttt_steps - 1
+    for T in sizes.block_cost_seq_lens:
+        g = torch.Generator(device=device).manual_seed(0)
+        n, d_qk, d_v = dims["n"], dims["d_qk"], dims["d_v"]
+
+        def leaf(*shape, g=g):
+            return torch.randn(*shape, device=device, generator=g, dtype=torch.bfloat16).requires_grad_()
+
+        q = leaf(1, n, T, d_qk)
+        keys = [leaf(1, n, T, d_qk) for _ in range(k + 1)]
+        values = [leaf(1, n, T, d_v) for _ in range(k + 1)]
+        mask = torch.ones(1, T, dtype=torch.long, device=device)
+        mask[:, T - T // 16 :] = 0
+        weight = torch.randn(1, n, T, d_v, device=device, generator=g, dtype=torch.bfloat16)
+        args = (q, keys, values, mask, weight, scale)
+        rows.append(
+            cost_row(
+                "flash_lse (CausalBlock, chunked kernel)", "eager",
+                lambda args=args: run_attention(fast, *args),
+                lambda args=args: run_attention(eager_ttt_attention, *args),
+                device, sizes.repeats, T=T, step=k, n=n, dtype="bfloat16",
+            )
+        )  # fmt: skip
+        del q, keys, values, weight, args
+        release(device)
+    return rows
+
+
+def latent_inputs(device, B, n, T, nope, rope, d_v, r, steps, seed=0):
+    """bf16-exact fp32 ``q``, ``steps+1`` latents ``[B,1,T,r]`` and rope keys, ``kv_b`` weight, mask, output weight."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return bf16_exact(scale * torch.randn(*shape, device=device, generator=g))
+
+    q = randn(B, n, T, nope + rope)
+    latents = [randn(B, 1, T, r) for _ in range(steps + 1)]
+    ropes = [randn(B, 1, T, rope) for _ in range(steps + 1)]
+    kv_b = randn(n * (nope + d_v), r, scale=r**-0.5)  # expanded K/V of unit scale
+    mask = torch.ones(B, T, dtype=torch.long, device=device)
+    mask[-1, T - T // 5 :] = 0
+    return [q, *latents, *ropes, kv_b], mask, torch.randn(B, n, T, d_v, device=device, generator=g)
+
+
+def section_latent_cache(device: torch.device, sizes: Sizes) -> list[dict]:
+    """``ttt_kv_cache="latent"`` vs ``"expanded"``: the flash_lse TTT attention over a cache of MLA latents (K/V
+    expanded per slot chunk, recomputed in the backward) vs flash_lse over the expanded cache (same ChunkedKernel),
+    forward + the gradients of q, every latent and rope key and ``kv_b``; then one checkpointed TTT training step of
+    the draft with either cache."""
+    from lightning_eagle.draft import TTTCache
+    from lightning_eagle.draft.block_attention import ChunkedKernel
+    from lightning_eagle.draft.latent_attention import LatentKV, expanded_cache, latent_flash_lse_ttt_attention
+    from lightning_eagle.draft.ttt_attention import flash_lse_ttt_attention
+
+    dims = dict(sizes.latent)
+    n, nope = dims["n"], dims["nope"]
+    scale = (nope + dims["rope"]) ** -0.5
+    kernel = ChunkedKernel(sizes.block_chunk)
+    rows = []
+    for k in sorted({0, 1, sizes.ttt_steps - 1}):
+        leaves32, mask, weight = latent_inputs(device, **dims, steps=k)
+
+        def run(dtype, path, leaves32=leaves32, mask=mask, weight=weight, k=k):
+            leaves = [t.to(dtype).requires_grad_() for t in leaves32]
+            q, latents, ropes, kv_b = leaves[0], leaves[1 : k + 2], leaves[k + 2 : 2 * k + 3], leaves[-1]
+            cache = TTTCache()
+            cache.bind_mask(mask)
+            for c, rho in zip(latents, ropes):
+                cache.append(c, rho)
+            latent_kv = LatentKV(kv_b, n, nope)
+            if path == "fast":
+                out = latent_flash_lse_ttt_attention(
+                    q, cache, scale, latent_kv, kernel=kernel, chunk=sizes.latent_chunk
+                )
+            else:
+                out = flash_lse_ttt_attention(q, expanded_cache(cache, latent_kv), scale, kernel=kernel)
+            return [out.detach(), *torch.autograd.grad((out * weight).sum(), leaves)]
+
+        rows += agreement_rows(f"step {k} attention + grads", run, T=dims["T"], step=k)
+    release(device)
+
+    rows.append(latent_step_cost(device, sizes))
+    return rows
+
+
+def configure_long(draft, long: bool) -> dict:
+    """Switch ``draft`` to the long-context settings (flash_lse, latent cache) or their twins (eager, expanded);
+    returns the matching ``ttt_loss`` keywords (checkpointed steps + chunked loss, or plain steps + plain loss)."""
+    from lightning_eagle.training.ttt import checkpointed_draft_step, draft_step
+
+    draft.attention_backend = "flash_lse" if long else "eager"
+    draft.ttt_kv_cache = "latent" if long else "expanded"
+    return {
+        "draft_step_fn": checkpointed_draft_step if long else draft_step,
+        "loss_backend": "chunked" if long else "plain",
+    }
+
+
+def training_step(draft, batch: dict, sizes: Sizes, **options) -> Callable[[], torch.Tensor]:
+    """``ttt_loss`` forward + backward into the draft's gradients; returns the detached loss."""
+    from lightning_eagle.training import ttt_loss
+
+    def step() -> torch.Tensor:
+        draft.zero_grad(set_to_none=True)
+        out = ttt_loss(draft, **batch, ttt_steps=sizes.ttt_steps, loss_chunk=sizes.loss_chunk, **options)
+        out.loss.backward()
+        return out.loss.detach().float()
+
+    return step
+
+
+def latent_step_cost(device: torch.device, sizes: Sizes) -> dict:
+    """One checkpointed TTT step (flash_lse, chunked loss) of the bf16 draft with the latent vs the expanded cache."""
+    from lightning_eagle.training.ttt import checkpointed_draft_step
+
+    draft, target = build_step_draft(device, sizes)
+    T = sizes.latent_cost_seq_len
+    batch = supervise_most(draft, step_batch(device, target, T))
+    options = {"draft_step_fn": checkpointed_draft_step, "loss_backend": "chunked"}
+    draft.attention_backend = "flash_lse"
+    losses = {}
+
+    def run(cache: str):
+        draft.ttt_kv_cache = cache
+        losses[cache] = training_step(draft, batch, sizes, **options)().item()
+
+    row = cost_row(
+        "latent cache", "expanded cache", lambda: run("latent"), lambda: run("expanded"), device, sizes.long_repeats,
+        T=T, K=sizes.ttt_steps, attention_backend="flash_lse", loss_backend="chunked", checkpointed=True,
+    )  # fmt: skip
+    if len(losses) == 2:
+        row["loss_rel_diff"] = abs(losses["latent"] - losses["expanded"]) / abs(losses["expanded"])
+        if row["loss_rel_diff"] > LOSS_RTOL_BF16:
+            row.update(status="FAIL", note=f"loss differs by more than {LOSS_RTOL_BF16} (relative)")
+    draft.zero_grad(set_to_none=True)
+    return row
+
+
+def build_target(device: torch.device, sizes: Sizes):
+    """The frozen fp32 target of ``sizes.target_preset`` on ``device`` with ``init_weights`` values rounded to bf16
+    (the fp32 islands kept), and its bf16 copy (the loader's casting rule)."""
+    from lightning_eagle.k3 import KimiK3ForCausalLM, config_from_name
+    from lightning_eagle.k3.fp32_parameters import is_fp32_parameter
+
+    config = config_from_name(sizes.target_preset, **sizes.target_overrides)
+    with torch.device(device):
+        model32 = KimiK3ForCausalLM(config)
+    model32.init_weights(0).freeze()
+    bf16_exact_module(model32, keep=is_fp32_parameter)
+    model16 = copy.deepcopy(model32).cast_to(torch.bfloat16)
+    return model32, model16
+
+
+def target_batch(device, vocab_size: int, B: int, T: int, pad: int, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(3, vocab_size, (B, T), device=device, generator=g)
+    mask = torch.ones(B, T, dtype=torch.long, device=device)
+    mask[-1, T - pad :] = 0  # the last row right-padded
+    return ids, mask
+
+
+def section_target_chunks(device: torch.device, sizes: Sizes) -> list[dict]:
+    """The token-chunked target forward (``set_token_chunk(model, C)``) vs the unchunked one: the EAGLE-3 capture
+    (taps of layer 0, the middle layer and the final norm's input; the final hidden) of a right-padded batch, forward
+    only (the frozen target has no backward); then time and peak memory of the capture. In bf16 the verdict rests on
+    layer 0's tap (KDA + dense MLP, before any routing): later, bf16 flips expert choices of a random target's
+    near-tied router scores, which moves both paths far from fp32 (cf. :func:`section_golden`); fp32 judges all."""
+    from lightning_eagle.k3.kda import resolve_kda_backend
+    from lightning_eagle.k3.model import set_token_chunk
+
+    model32, model16 = build_target(device, sizes)
+    V, L = model32.config.vocab_size, model32.config.num_hidden_layers
+    taps = [0, L // 2, L]
+    kda = resolve_kda_backend("auto", device)
+    T, C = sizes.target_check["T"], sizes.target_check["chunk"]
+    ids, mask = target_batch(device, V, 2, T, T // 5)
+
+    def capture(model, ids, mask, chunk):
+        set_token_chunk(model, chunk)
+        try:
+            with torch.no_grad():
+                return model.capture(ids, mask, taps)
+        finally:
+            set_token_chunk(model, None)
+
+    def run(dtype, path):
+        out = capture(model32 if dtype == torch.float32 else model16, ids, mask, C if path == "fast" else None)
+        return [*out.aux_hidden_states.chunk(len(taps), dim=-1), out.final_hidden]
+
+    rows = agreement_rows(
+        "capture (forward only)", run, ("layer0", "later_taps_and_final"), judge_rest_in_bf16=False,
+        T=T, token_chunk=C, taps=taps, kda_backend=kda,
+    )  # fmt: skip
+    model32 = None  # freed before the long lengths (run() is done with it)
+    release(device)
+    for T in sizes.target_cost_seq_lens:
+        ids, mask = target_batch(device, V, 1, T, T // 16)
+        rows.append(
+            cost_row(
+                f"token_chunk={sizes.target_chunk}", "unchunked",
+                lambda ids=ids, mask=mask: capture(model16, ids, mask, sizes.target_chunk),
+                lambda ids=ids, mask=mask: capture(model16, ids, mask, None),
+                device, sizes.repeats, T=T, layers=model16.config.num_hidden_layers, kda_backend=kda, dtype="bfloat16",
+            )
+        )  # fmt: skip
+    return rows
+
+
+def predicted_past_deadline(deadline: float | None, previous: tuple | None, T: int) -> float | None:
+    """The predicted seconds of a step at ``T`` from the last one ``(T₀, ms, ...)`` — scaled by ``(T/T₀)²``, a safe
+    over-estimate since only the attention is quadratic — if it would end after ``deadline``, else None."""
+    if deadline is None or previous is None:
+        return None
+    predicted = previous[1] / 1000 * (T / previous[0]) ** 2
+    return predicted if time.perf_counter() + predicted > deadline else None
+
+
+def section_long_context(device: torch.device, sizes: Sizes, deadline: float | None = None) -> list[dict]:
+    """All long-context draft settings at once — flash_lse (CausalBlock), the latent cache, checkpointed steps and
+    the chunked loss — against the plain combination (eager, expanded, plain steps, plain loss) at a short length
+    (loss and every draft gradient), then one training step at each long T: time, peak memory and its growth
+    with T (linear: ``peak(T₂)/peak(T₁) ≤ LINEAR_SLACK·T₂/T₁``; CUDA only)."""
+    T = sizes.long_check_seq_len
+    draft32, batch32, draft16, batch16, target = long_draft_and_batch(device, sizes, T)
+
+    def run(dtype, path):
+        draft, batch = (draft32, batch32) if dtype == torch.float32 else (draft16, batch16)
+        options = configure_long(draft, path == "fast")
+        loss = training_step(draft, batch, sizes, **options)()
+        grads = [p.grad for p in draft.parameters() if p.grad is not None]
+        draft.zero_grad(set_to_none=True)
+        return [loss, *grads]
+
+    rows = agreement_rows("loss + every draft gradient", run, T=T, K=sizes.ttt_steps)
+    draft32 = batch32 = batch16 = None  # freed before the long lengths (run() is done with them)
+    release(device)
+
+    options = configure_long(draft16, True)
+    training_step(draft16, step_batch(device, target, sizes.ttt_seq_len), sizes, **options)()  # warm-up (short T)
+    previous = None
+    for T in sizes.long_seq_lens:
+        row = {"path": "flash_lse + latent + checkpointed + chunked loss", "T": T, "K": sizes.ttt_steps}
+        predicted = predicted_past_deadline(deadline, previous, T)
+        if predicted is not None:
+            rows.append({**row, "status": "skipped (time budget)", "note": f"~{predicted:.0f} s predicted"})
+            continue
+        try:
+            batch = supervise_most(draft16, step_batch(device, target, T))
+            loss, ms, peak = measure(training_step(draft16, batch, sizes, **options), device, 1, warmup=False)
+            row.update(step_ms=ms, tokens_per_s=T / (ms / 1000), peak_mb=peak, peak_total_mb=total_peak_mb(device))
+            row.update(loss=loss.item(), status="ok")
+            if previous is not None and device.type == "cuda":
+                row["peak_ratio_vs_prev"] = peak / previous[2]
+                allowed = LINEAR_SLACK * T / previous[0]
+                if row["peak_ratio_vs_prev"] > allowed:
+                    row.update(status="FAIL", note=f"peak grew {row['peak_ratio_vs_prev']:.2f}x > {allowed:.2f}x")
+            previous = (T, ms, peak)
+        except Exception as error:
+            row.update(status="OOM" if is_oom(error) else "error", note=error_text(error))
+        batch = None
+        draft16.zero_grad(set_to_none=True)
+        release(device)
+        rows.append(row)
+    return rows
+
+
 # ---- driver ---------------------------------------------------------------------------------------------------------
 def format_table(rows: list[dict]) -> str:
     columns = list(dict.fromkeys(key for row in rows for key in row))
@@ -544,11 +1133,25 @@ def run_section(name: str, device: torch.device, sizes: Sizes, args) -> list[dic
         return section_layers(device, sizes)
     if name == "ttt_attention":
         return section_ttt_attention(device, sizes)
-    return section_ttt_step(device, sizes, args.peak_tflops)
+    if name == "ttt_step":
+        return section_ttt_step(device, sizes, args.peak_tflops)
+    if name == "long_context":
+        return section_long_context(device, sizes, args.deadline)
+    sections = {
+        "chunked_loss": section_chunked_loss,
+        "flash_lse_block": section_flash_lse_block,
+        "latent_cache": section_latent_cache,
+        "target_chunks": section_target_chunks,
+    }
+    return sections[name](device, sizes)
 
 
 def failed(rows: list[dict]) -> bool:
     return any(row.get("status") in ("FAIL", "error") for row in rows)
+
+
+def skipped(rows: list[dict]) -> bool:
+    return any(row.get("status") == "skipped (time budget)" for row in rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -560,6 +1163,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--golden", default=str(GOLDEN_TARGET))
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (CUDA default: 989)")
+    parser.add_argument(
+        "--budget-s", type=float, default=DEFAULT_BUDGET_S,
+        help="seconds for the whole run: a section that would start later is skipped, as is a long_context length "
+        "predicted to end later (0: no budget)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     reduced = args.reduced or device.type != "cuda"
@@ -584,21 +1192,34 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"gpu_check on {device} ({report['meta']['device']}), torch {torch.__version__}, reduced={reduced}")
     started = time.perf_counter()
+    args.deadline = started + args.budget_s if args.budget_s > 0 else None
+    report["meta"]["section_s"] = {}
     for name in args.sections:
         t0 = time.perf_counter()
-        try:
-            rows = run_section(name, device, sizes, args)
-        except Exception as error:  # one broken section must not hide the others
-            traceback.print_exc()
-            rows = [{"status": "error", "note": error_text(error)}]
+        if args.deadline is not None and t0 > args.deadline:
+            rows = [{"status": "skipped (time budget)", "note": f"--budget-s {args.budget_s:g} spent"}]
+        else:
+            try:
+                rows = run_section(name, device, sizes, args)
+            except Exception as error:  # one broken section must not hide the others
+                traceback.print_exc()
+                rows = [{"status": "error", "note": error_text(error)}]
         release(device)
         report["sections"][name] = rows
+        report["meta"]["section_s"][name] = time.perf_counter() - t0
         print(f"\n## {name} ({time.perf_counter() - t0:.1f} s)\n\n{format_table(rows)}", flush=True)
-    report["meta"]["elapsed_s"] = time.perf_counter() - started
-    report["failed"] = [name for name, rows in report["sections"].items() if failed(rows)]
-    Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        write_report(report, args.out, started, complete=False)  # a run cut short keeps what it measured
+    write_report(report, args.out, started, complete=True)
     print(f"\nwrote {args.out} in {report['meta']['elapsed_s']:.1f} s; failed sections: {report['failed'] or 'none'}")
     return 1 if report["failed"] else 0
+
+
+def write_report(report: dict, out: str, started: float, complete: bool) -> None:
+    report["meta"]["elapsed_s"] = time.perf_counter() - started
+    report["complete"] = complete
+    report["failed"] = [name for name, rows in report["sections"].items() if failed(rows)]
+    report["skipped"] = [name for name, rows in report["sections"].items() if skipped(rows)]
+    Path(out).write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":
