@@ -209,6 +209,11 @@ def _plan_refusal(message: str) -> str:
     """The field a ``PlanInputs`` refusal is about."""
     if "attention_backend" in message:
         return "model.attention_backend"
+    if "draft_sequence_parallel_size" in message:
+        return "trainer.strategy.init_args.draft_sequence_parallel_size"
+    for name in ("loss_backend", "loss_chunk", "ttt_kv_cache", "target_token_chunk"):
+        if message.startswith(name):
+            return f"model.{name}"
     if "expert_storage" in message:
         return "model.target_expert_storage"
     if message.startswith("draft "):
@@ -232,6 +237,12 @@ def run_config_from_yaml(
     config = parse_run_config(path)
     trainer, model, data = config.trainer, config.model, config.data.init_args
     nodes, gpus, world, ep, shard_dense = _layout(trainer, world, ep, shard_dense)
+    draft_sp = 1
+    if _is_expert_parallel(trainer.strategy):
+        draft_sp = _positive_int(
+            trainer.strategy.init_args.get("draft_sequence_parallel_size", 1),
+            "trainer.strategy.init_args.draft_sequence_parallel_size",
+        )
     if model.target_source != "online":
         raise PlanConfigError("model.target_source", f"{model.target_source!r} is not modelled (only 'online')")
     spec, label, notices = _target_spec(model, target_config)
@@ -260,6 +271,8 @@ def run_config_from_yaml(
             accumulate_grad_batches=_positive_int(trainer.accumulate_grad_batches, "trainer.accumulate_grad_batches"),
             teacher_vocab_chunk=_positive_int(model.teacher_vocab_chunk, "model.teacher_vocab_chunk"),
             teacher_seq_chunk=_positive_int(model.teacher_seq_chunk, "model.teacher_seq_chunk"),
+            loss_backend=model.loss_backend, loss_chunk=_positive_int(model.loss_chunk, "model.loss_chunk"),
+            ttt_kv_cache=model.ttt_kv_cache, target_token_chunk=model.target_token_chunk, draft_sp=draft_sp,
             device=device, moe_load_factor=moe_load_factor, reserve_bytes=int(reserve_gb * GB),
         )  # fmt: skip
     except PlanConfigError:

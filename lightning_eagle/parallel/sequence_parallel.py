@@ -233,7 +233,9 @@ class SequenceParallelTTTCache(TTTCache):
 
 
 # ---- the draft step with global positions ---------------------------------------------------------------------------
-def _positions(cache: TTTCache, input_ids: torch.Tensor) -> torch.Tensor | None:
+def slot_positions(cache: TTTCache, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """The rotary positions of this step's slots when ``cache`` is a sequence-parallel cache (``start + t + k``),
+    else None (the layer's own ``t + k``, which is right for a whole sequence)."""
     if isinstance(cache, SequenceParallelTTTCache):
         return cache.shard.position_ids(len(cache), input_ids.device)
     return None
@@ -243,7 +245,7 @@ def sequence_parallel_draft_step(draft, input_ids, hidden, attention_mask, cache
     """``draft.layer`` with the global positions of the rank's slots (``start + t + k``): what a rotary layer
     (``deepseek_mla``) needs under SP, whose default ``t + k`` would count from the shard's first slot. The K3 layer
     ignores positions (NoPE). A ``draft_step_fn`` for the unroll."""
-    return draft.layer(input_ids, hidden, attention_mask, cache, position_ids=_positions(cache, input_ids))
+    return draft.layer(input_ids, hidden, attention_mask, cache, position_ids=slot_positions(cache, input_ids))
 
 
 def checkpointed_sequence_parallel_draft_step(
@@ -254,7 +256,7 @@ def checkpointed_sequence_parallel_draft_step(
     K/V it appends, as ``training.ttt.checkpointed_draft_step``."""
     cache.bind_mask(attention_mask)
     n = len(cache)
-    positions = _positions(cache, input_ids)
+    positions = slot_positions(cache, input_ids)
 
     def step(hidden: torch.Tensor, *past: torch.Tensor):
         replay = cache.replay(past[:n], past[n:])
@@ -391,5 +393,6 @@ __all__ = [
     "local_unroll_inputs",
     "sequence_parallel_draft_step",
     "sequence_to_head_shards",
+    "slot_positions",
     "sum_over_group",
 ]

@@ -22,16 +22,20 @@ from typing_extensions import override
 
 from lightning_eagle.checkpoint_io import AtomicCheckpointIO
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft, build_draft
+from lightning_eagle.draft.latent_attention import check_ttt_kv_cache
 from lightning_eagle.draft.materialize import build_on_meta, materialize
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.errors import NonFiniteTrainingError
 from lightning_eagle.features.teacher_head import TeacherHead
-from lightning_eagle.k3.model import KimiK3ForCausalLM
+from lightning_eagle.k3.model import KimiK3ForCausalLM, set_token_chunk
 from lightning_eagle.k3.target_spec import TargetSpec
+from lightning_eagle.k3.token_chunks import check_token_chunk
 from lightning_eagle.parallel.dense_shard import gathered_weight, is_sharded, shard_draft
 from lightning_eagle.parallel.frozen_target import load_frozen_target, parallelism_of, root_device
+from lightning_eagle.parallel.sequence_parallel import sum_over_group
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
 from lightning_eagle.settings import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, check_settings
+from lightning_eagle.training.chunked_loss import DEFAULT_LOSS_CHUNK, LOSS_BACKEND
 from lightning_eagle.training.data_contract import DraftVocabulary, DumpedFeatures, run_datamodule
 from lightning_eagle.training.loss import soft_cross_entropy
 from lightning_eagle.training.loss import step_weights as default_step_weights
@@ -40,10 +44,12 @@ from lightning_eagle.training.module_checkpoints import (
     DraftCheckpointing,
 )
 from lightning_eagle.training.schedule import warmup_cosine
+from lightning_eagle.training.sequence_parallel_unroll import check_sequence_parallel_settings
 from lightning_eagle.training.shift import shift_left
-from lightning_eagle.training.teacher import Teacher
+from lightning_eagle.training.teacher import ChunkedTeacher, Teacher
 from lightning_eagle.training.teacher import compute_teacher as default_compute_teacher
-from lightning_eagle.training.ttt import TTTOutput, checkpointed_draft_step, ttt_loss
+from lightning_eagle.training.ttt import TTTOutput, checkpointed_draft_step, tau_sim, ttt_loss
+from lightning_eagle.training.ttt import draft_step as default_draft_step
 
 log = logging.getLogger(__name__)
 # The frozen target is in eval mode on purpose; Lightning's "modules in eval mode" warning would only alarm users.
@@ -96,6 +102,20 @@ class Eagle3Module(DraftCheckpointing, pl.LightningModule):
         lr / weight_decay / warmup_ratio / min_lr_ratio: AdamW (betas 0.9/0.95) + warmup-cosine defaults;
             ``optimizer`` / ``lr_scheduler`` callables replace them (LightningCLI ``OptimizerCallable``).
         teacher_vocab_chunk / teacher_seq_chunk: chunking of the teacher's full-vocabulary argmax.
+        loss_backend: each TTT step's loss: ``"plain"`` (``lm_head`` logits, then the soft CE against ``[B,T,N_d]``
+            teacher probabilities; every research hook applies) or ``"chunked"`` (fused, ``loss_chunk`` rows at a
+            time, with the teacher's probabilities recomputed per chunk: no ``[B,T,N_d]`` tensor; long context).
+        ttt_kv_cache: ``"expanded"`` (per-head K/V per TTT step) or ``"latent"`` (MLA's normalised latent + rope
+            key, 576 values per token on the real K3 draft; pair it with ``draft_activation_checkpointing``).
+        target_token_chunk: run the frozen target layer by layer in segments of this many tokens (None: the whole
+            sequence at once), so its working set grows with the segment, not with T (same outputs).
+
+    Draft sequence parallelism is the strategy's setting ``draft_sequence_parallel_size``
+    (:class:`~lightning_eagle.parallel.ExpertParallelStrategy`): the ranks of a group train on the same rows (each
+    runs the same target forward) and split the TTT unroll's slots, Ulysses attention between them; the module passes
+    its shard to :func:`~lightning_eagle.training.ttt_loss` and logs the group's loss. Works with both loss backends
+    and ``draft_activation_checkpointing``; refused with ``draft_shard``, ``target_source="features"``, ``predict``
+    and ``ttt_kv_cache="latent"``. The target itself is never context-parallel.
 
     How ranks share the target is the strategy's business (:class:`~lightning_eagle.parallel.ParallelLayout`,
     refused layouts included); the module only asks it through :func:`load_frozen_target`.
@@ -125,6 +145,10 @@ class Eagle3Module(DraftCheckpointing, pl.LightningModule):
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         teacher_vocab_chunk: int = 16384,
         teacher_seq_chunk: int = 2048,
+        loss_backend: str = "plain",
+        loss_chunk: int = DEFAULT_LOSS_CHUNK,
+        ttt_kv_cache: Literal["expanded", "latent"] = "expanded",
+        target_token_chunk: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
@@ -137,7 +161,11 @@ class Eagle3Module(DraftCheckpointing, pl.LightningModule):
             "min_lr_ratio": (min_lr_ratio, "fraction", float),
             "teacher_vocab_chunk": (teacher_vocab_chunk, "positive", int),
             "teacher_seq_chunk": (teacher_seq_chunk, "positive", int),
+            "loss_chunk": (loss_chunk, "positive", int),
         })  # fmt: skip
+        LOSS_BACKEND.check(loss_backend)
+        check_ttt_kv_cache(ttt_kv_cache)
+        check_token_chunk(target_token_chunk)
         if step_decay > 1:  # later steps would outweigh the first, which every accepted draft token needs
             raise ValueError(f"model.step_decay must be in (0, 1], got {step_decay!r}")
         if ttt_steps > MAX_USEFUL_TTT_STEPS:
@@ -206,13 +234,15 @@ class Eagle3Module(DraftCheckpointing, pl.LightningModule):
             self.teacher_head = head.to(device=device, dtype=DTYPES[self.hparams.target_dtype])
             embedding = self.teacher_head.embed_tokens
         else:
-            self.target = load_frozen_target(self, self.target_spec)
+            self.target = set_token_chunk(load_frozen_target(self, self.target_spec), hp.target_token_chunk)
             embedding = self.target.model.embed_tokens.weight
         mapping = vocab_mapping if vocab_mapping is not None else self._vocab_mapping()
         self.draft_config = self._draft_config(None if mapping is None else int(mapping.selected.numel()))
         # Built on meta and allocated once on the device in its training dtype: no full fp32 host copy. Initial values
         # depend only on (draft_init_seed, parameter name): every rank and every rerun starts from the same draft.
-        draft = build_on_meta(lambda: build_draft(self.draft_config, attention_backend=hp.attention_backend))
+        draft = build_on_meta(
+            lambda: build_draft(self.draft_config, attention_backend=hp.attention_backend, ttt_kv_cache=hp.ttt_kv_cache)
+        )
         materialize(draft, device, DTYPES[hp.draft_dtype], hp.draft_init_seed, skip=["embed_tokens.weight"])
         draft.copy_embeddings_from(embedding)  # from the target (gathered if sharded), cast on the device
         selected = mapping.selected if mapping is not None else torch.arange(self.draft_config.draft_vocab_size)
@@ -260,6 +290,7 @@ class Eagle3Module(DraftCheckpointing, pl.LightningModule):
             )
         self._check_target_source()
         strategy = self.trainer.strategy
+        self._check_sequence_parallel(stage)
         if type(strategy.checkpoint_io) is TorchCheckpointIO:  # the default: a kill during a save truncates the file
             strategy.checkpoint_io = AtomicCheckpointIO()
 
@@ -291,9 +322,40 @@ class Eagle3Module(DraftCheckpointing, pl.LightningModule):
                 "aux_layer_ids / aux_stream to the dump's"
             )
 
+    def _sequence_parallel_size(self) -> int:
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        return getattr(strategy, "draft_sequence_parallel_size", 1)
+
+    def _check_sequence_parallel(self, stage: str) -> None:
+        hp = self.hparams
+        check_sequence_parallel_settings(
+            self._sequence_parallel_size(), num_attention_heads=self.draft_config.num_attention_heads,
+            draft_shard=hp.draft_shard, target_source=hp.target_source, stage=stage,
+        )  # fmt: skip
+
+    def _sequence_shard(self, length: int):
+        """``(shard, group)`` of this rank for a post-shift length, or ``(None, None)`` without sequence
+        parallelism."""
+        if self._sequence_parallel_size() == 1:
+            return None, None
+        strategy = self.trainer.strategy
+        return strategy.sequence_shard(length), strategy.draft_sequence_parallel_group
+
+    def _over_sequence_group(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Detached ``values`` summed over this rank's SP group (one all-reduce; themselves without SP): a rank's
+        loss and counts are its slots' part of the group's batch."""
+        values = tuple(v.detach() for v in values)
+        if self._sequence_parallel_size() == 1:
+            return values
+        group = self.trainer.strategy.draft_sequence_parallel_group
+        flat = sum_over_group(torch.cat([v.double().reshape(-1) for v in values]), group)
+        parts = flat.split([v.numel() for v in values])
+        return tuple(p.view(v.shape).to(v.dtype) for p, v in zip(parts, values))
+
     # ---- research hooks -------------------------------------------------------------------------------------------
-    def compute_teacher(self, draft, loss_mask, **sources) -> Teacher:
-        """Teacher distribution over the draft vocabulary (default: chunked from the target's final hidden)."""
+    def compute_teacher(self, draft, loss_mask, **sources) -> Teacher | ChunkedTeacher:
+        """Teacher distribution over the draft vocabulary (default: chunked from the target's final hidden).
+        ``sources`` holds ``chunked=True`` with ``loss_backend="chunked"``: return a :class:`ChunkedTeacher` then."""
         return default_compute_teacher(
             draft, loss_mask, vocab_chunk=self.hparams.teacher_vocab_chunk, seq_chunk=self.hparams.teacher_seq_chunk,
             **sources,
@@ -304,7 +366,7 @@ class Eagle3Module(DraftCheckpointing, pl.LightningModule):
         backward (K steps' attention/MLP intermediates are never held at once)."""
         if self.hparams.draft_activation_checkpointing and torch.is_grad_enabled():
             return checkpointed_draft_step(draft, input_ids, hidden, attention_mask, cache)
-        return draft.layer(input_ids, hidden, attention_mask, cache)
+        return default_draft_step(draft, input_ids, hidden, attention_mask, cache)
 
     def step_loss(self, logits, target_probs, position_mask) -> torch.Tensor:
         """Per-step loss L_k (default: soft CE divided by the number of supervised positions)."""
@@ -337,6 +399,9 @@ class Eagle3Module(DraftCheckpointing, pl.LightningModule):
     def shared_step(self, batch: dict[str, torch.Tensor], return_argmax: bool = False) -> TTTOutput:
         aux_hidden_states, final_hidden, lm_head_weight = self.target_features(batch)
         attention_mask = batch["attention_mask"]
+        # Under draft sequence parallelism every rank of the group holds this whole batch (same rows, same target
+        # forward) and unrolls only its slots; the loss it returns is its share of the group's.
+        shard, group = self._sequence_shard(batch["input_ids"].shape[1])
         return ttt_loss(
             self.draft,
             shift_left(batch["input_ids"]),
@@ -347,14 +412,23 @@ class Eagle3Module(DraftCheckpointing, pl.LightningModule):
             lm_head_weight=lm_head_weight,
             teacher_fn=self._teacher_with_full_head,
             draft_step_fn=self.draft_step,
-            step_loss_fn=self.step_loss,
+            step_loss_fn=self._step_loss_fn(),
             step_weights_fn=self.step_weights,
             ttt_steps=self.hparams.ttt_steps,
             step_decay=self.hparams.step_decay,
             return_argmax=return_argmax,
+            loss_backend=self.hparams.loss_backend,
+            loss_chunk=self.hparams.loss_chunk,
+            sequence_shard=shard,
+            sequence_group=group,
         )
 
-    def _teacher_with_full_head(self, draft, loss_mask, **sources) -> Teacher:
+    def _step_loss_fn(self):
+        """``step_loss`` as ``ttt_loss`` takes it: the library's own function unless a subclass overrides the hook
+        (the chunked loss backend fuses exactly that function and refuses any other)."""
+        return soft_cross_entropy if type(self).step_loss is Eagle3Module.step_loss else self.step_loss
+
+    def _teacher_with_full_head(self, draft, loss_mask, **sources) -> Teacher | ChunkedTeacher:
         """:meth:`compute_teacher` with the target's ``lm_head`` gathered for its duration (dense-sharded target)."""
         if self.target is None or sources.get("lm_head_weight") is None:
             return self.compute_teacher(draft, loss_mask, **sources)
@@ -362,13 +436,15 @@ class Eagle3Module(DraftCheckpointing, pl.LightningModule):
             return self.compute_teacher(draft, loss_mask, **{**sources, "lm_head_weight": weight})
 
     def _log_step(self, prefix: str, out: TTTOutput, batch_size: int, on_step: bool) -> None:
-        values = {f"{prefix}/ploss_{k}": v.detach() for k, v in enumerate(out.per_step_loss)}
+        # the SP group's batch loss, not this rank's share of it (the same value on every rank of the group)
+        loss, per_step = self._over_sequence_group(out.loss, out.per_step_loss)
+        values = {f"{prefix}/ploss_{k}": v for k, v in enumerate(per_step)}
         self.log_dict(
             values, on_step=on_step, on_epoch=not on_step, batch_size=batch_size, sync_dist=not on_step, prog_bar=False
         )
         self.log(
             f"{prefix}/loss",
-            out.loss.detach(),
+            loss,
             prog_bar=True,
             on_step=on_step,
             on_epoch=not on_step,
@@ -381,7 +457,7 @@ class Eagle3Module(DraftCheckpointing, pl.LightningModule):
         out = self.shared_step(batch)
         self._stop_unless_finite("the training loss", out.loss, batch_idx)
         self._log_step("train", out, batch["input_ids"].shape[0], on_step=True)
-        batch_tau = out.tau_sim
+        batch_tau = tau_sim(*self._over_sequence_group(out.step_prefix_hits, out.step_valid))
         self.log("train/tau_sim_batch", batch_tau, prog_bar=True, on_step=True, on_epoch=False)
         self.train_metrics.update(out)
         return out.loss

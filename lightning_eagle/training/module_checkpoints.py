@@ -52,7 +52,11 @@ class DraftCheckpointing:
         if self.draft is None:  # configure_model never ran here (e.g. the fork/spawn launcher's main process)
             self.draft_config = self._draft_config(int(draft_state["d2t"].numel()))
             with torch.device("meta"):  # no random init: every tensor, vocab map included, comes from the state
-                draft = build_draft(self.draft_config, attention_backend=self.hparams.attention_backend)
+                draft = build_draft(
+                    self.draft_config,
+                    attention_backend=self.hparams.attention_backend,
+                    ttt_kv_cache=self.hparams.ttt_kv_cache,
+                )
             result = draft.load_state_dict(draft_state, strict=True, assign=True)
             if self.draft_config.freeze_embeddings:
                 draft.freeze_embeddings()

@@ -6,7 +6,9 @@ restarts every rank after them. Lightning's loop counters are not: they count th
 epoch, and decide optimizer steps (``ready % accumulate_grad_batches``) and the epoch's end from them. A checkpoint
 from 4 ranks at step 1 says "1 micro-batch done"; one rank accumulating 4 must read that as 4. So the checkpoint
 records the rows one micro-batch takes over the whole world, and a resume under a different value rescales the epoch
-counters before Lightning restores them (same rows consumed ⇒ same micro-batches done, in the new unit).
+counters before Lightning restores them (same rows consumed ⇒ same micro-batches done, in the new unit). Under draft
+sequence parallelism a micro-batch takes ``batch_size × world / sp`` rows (a group of ``sp`` ranks shares its rows), so
+a change of ``sp`` is a change of layout like any other.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ _BATCH_PROGRESS = "epoch_loop.batch_progress"
 
 
 def micro_batch_rows(trainer) -> int | None:
-    """Rows one micro-batch takes over the whole world (None when the data module does not say its batch size)."""
+    """Rows one micro-batch takes over the whole world (None when the data module does not say its batch size): the
+    batch size times the sampler's replicas — the world size, or ``world / sp`` under draft sequence parallelism,
+    whose groups of ``sp`` ranks share their rows."""
     datamodule = run_datamodule(trainer)
     if not isinstance(datamodule, FixedBatchSize) or datamodule.batch_size is None:
         return None
-    return int(datamodule.batch_size) * trainer.world_size
+    replicas = (trainer.distributed_sampler_kwargs or {}).get("num_replicas", trainer.world_size)
+    return int(datamodule.batch_size) * int(replicas)
 
 
 def rescale_epoch_progress(checkpoint: dict[str, Any], current_rows: int | None) -> None:

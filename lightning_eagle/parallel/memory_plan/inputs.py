@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 RESIDENT = "resident"
 PHASES = ("target forward", "teacher", "draft unroll", "optimizer step")
 MODELLED_BACKENDS = ("eager", "flash_lse")
+LOSS_BACKENDS = ("plain", "chunked")
+TTT_KV_CACHES = ("expanded", "latent")
 FP32 = 4  # bytes
 
 
@@ -50,6 +52,11 @@ class PlanInputs:
     accumulate_grad_batches: int = 1
     teacher_vocab_chunk: int = 16384
     teacher_seq_chunk: int = 2048
+    loss_backend: str = "plain"  # "chunked": fused lm_head + soft CE with the teacher computed per chunk
+    loss_chunk: int = 1024  # tokens per chunk of the chunked loss
+    ttt_kv_cache: str = "expanded"  # "latent": the TTT cache keeps MLA's normalised latent + rope key
+    target_token_chunk: int | None = None  # the target forward in token segments of this many tokens
+    draft_sp: int = 1  # draft sequence-parallel size: the ranks of one group share a sequence, each owns T/sp slots
     aux_layer_ids: tuple[int, ...] | None = None  # None: the draft config's
     device: str = "cuda"
     moe_load_factor: float = 1.25
@@ -68,12 +75,34 @@ class PlanInputs:
         for name, value in unmodelled.items():
             if getattr(self.draft, name) != value:
                 raise ValueError(f"draft {name}={getattr(self.draft, name)!r} is not modelled by the memory plan")
+        for name, value, choices in (
+            ("loss_backend", self.loss_backend, LOSS_BACKENDS), ("ttt_kv_cache", self.ttt_kv_cache, TTT_KV_CACHES),
+        ):  # fmt: skip
+            if value not in choices:
+                raise ValueError(f"{name}={value!r} is not modelled by the memory plan; choose one of {choices}")
+        for name, value in (("loss_chunk", self.loss_chunk), ("target_token_chunk", self.target_token_chunk or 1)):
+            if value < 1:
+                raise ValueError(f"{name} must be a positive number of tokens, got {value!r}")
+        if self.draft_sp < 1 or self.world % self.draft_sp:
+            raise ValueError(
+                f"draft_sequence_parallel_size ({self.draft_sp}) must divide the world size ({self.world})"
+            )
+        if self.draft.num_attention_heads % self.draft_sp:
+            raise ValueError(
+                f"draft_sequence_parallel_size ({self.draft_sp}) must divide the draft's "
+                f"{self.draft.num_attention_heads} attention heads (Ulysses shards the heads)"
+            )
         if self.expert_storage not in EXPERT_STORAGES:
             raise ValueError(f"target_expert_storage must be one of {EXPERT_STORAGES}, got {self.expert_storage!r}")
 
     @property
     def dense_sharded(self) -> bool:
         return self.shard_dense if self.shard_dense is not None else self.world > 1
+
+    @property
+    def local_seq_len(self) -> int:
+        """Slots one rank of a draft sequence-parallel group owns (T padded up to a multiple of the group)."""
+        return -(-self.seq_len // self.draft_sp)
 
     @property
     def taps(self) -> tuple[int, ...]:

@@ -126,23 +126,48 @@ def target_outputs_bytes(inputs: PlanInputs) -> int:
     return (3 + 2) * N * H * inputs.target_dtype.itemsize
 
 
+def teacher_rows(inputs: PlanInputs) -> int:
+    """Rows the teacher is built on: the batch, or under draft sequence parallelism this rank's window of slots
+    (its ``T/sp`` slots and the ``K−1`` rows after them that its later TTT steps read)."""
+    if inputs.draft_sp == 1:
+        return inputs.batch_size * inputs.seq_len
+    return inputs.batch_size * min(inputs.local_seq_len + inputs.ttt_steps - 1, inputs.seq_len)
+
+
 def teacher_terms(inputs: PlanInputs, target: TargetShapes) -> list[Term]:
-    """``training/teacher.py`` ``teacher_from_hidden``: fp32 ``[B·T, N_d]`` draft-vocab logits, then their softmax;
-    per ``seq_chunk × vocab_chunk`` tile the logits in the target dtype, their fp32 copy and the draft columns."""
+    """``training/teacher.py``: per ``seq_chunk × vocab_chunk`` tile the logits in the target dtype, their fp32 copy
+    and the draft columns. ``teacher_from_hidden`` (plain loss) keeps fp32 ``[B·T, N_d]`` draft-vocab logits, then
+    their softmax; ``chunked_teacher_from_hidden`` (chunked loss) keeps only ``top``/``draft_argmax`` (int64) and
+    ``pos`` per row and ``lm_head.weight[selected]`` ``[N_d, H_t]``, its per-chunk draft logits and softmax being
+    transient."""
     phase = PHASES[1]
-    N, V, N_d = inputs.batch_size * inputs.seq_len, inputs.target.vocab_size, inputs.draft.draft_vocab_size
-    st = inputs.target_dtype.itemsize
+    N, V, N_d = teacher_rows(inputs), inputs.target.vocab_size, inputs.draft.draft_vocab_size
+    H_t, st = inputs.target.hidden_size, inputs.target_dtype.itemsize
     rows, cols = min(inputs.teacher_seq_chunk, N), min(inputs.teacher_vocab_chunk, V)
     tile = rows * cols * (st + FP32) + rows * min(cols, N_d) * FP32
-    logits = N * N_d * FP32
-    terms = [
-        Term(phase, "target outputs (aux states, final hidden)", target_outputs_bytes(inputs)),
-        Term(phase, "teacher logits + softmax / chunk tile", logits + max(tile, logits) + V * 8,
-             f"[B,T,N_d] fp32 ×2 (tile {rows}×{cols}: {_gb(tile)})"),
-    ]  # fmt: skip
+    terms = [Term(phase, "target outputs (aux states, final hidden)", target_outputs_bytes(inputs))]
+    if inputs.loss_backend == "chunked":
+        chunk = rows * N_d * FP32 * 2  # the chunk's draft logits and their softmax (for draft_argmax)
+        kept = N * (8 + 8 + 1) + N_d * H_t * st
+        terms.append(Term(phase, "chunked teacher + chunk tile", kept + chunk + tile + V * 8,
+                          f"top, draft argmax, pos per row + lm_head[selected] [N_d,H_t] {_gb(N_d * H_t * st)}; "
+                          f"tile {rows}×{cols}"))  # fmt: skip
+    else:
+        logits = N * N_d * FP32
+        terms.append(Term(phase, "teacher logits + softmax / chunk tile", logits + max(tile, logits) + V * 8,
+                          f"[B,T,N_d] fp32 ×2 (tile {rows}×{cols}: {_gb(tile)})"))  # fmt: skip
     if inputs.dense_sharded and target.lm_head.params:
         terms.append(Term(phase, "lm_head gathered for the teacher", target.lm_head.nbytes(inputs.target_dtype)))
     return terms
+
+
+def teacher_kept_bytes(inputs: PlanInputs) -> tuple[int, str]:
+    """What the teacher keeps through the unroll: fp32 ``[B,T,N_d]`` probabilities with ``pos``/``top``, or the
+    chunked teacher's per-row ids and ``lm_head.weight[selected]``."""
+    N, N_d = teacher_rows(inputs), inputs.draft.draft_vocab_size
+    if inputs.loss_backend == "chunked":
+        return N * (8 + 8 + 1) + N_d * inputs.target.hidden_size * inputs.target_dtype.itemsize, "chunked teacher"
+    return N * N_d * FP32 + N * 9, "teacher probs [B,T,N_d] fp32"
 
 
 def draft_unroll_terms(inputs: PlanInputs, draft: DraftShapes) -> list[Term]:
@@ -152,11 +177,11 @@ def draft_unroll_terms(inputs: PlanInputs, draft: DraftShapes) -> list[Term]:
     shared = unroll_shared_saved(d, inputs.target_dtype, inputs.draft_dtype)
     up = unroll_peak(d, ckpt, shared, draft)
     cache = sum(cache_entry_kept(d, k, ckpt) for k in range(d.K))
-    N = d.BT
+    teacher_bytes, teacher_note = teacher_kept_bytes(inputs)
     saved_note = "checkpointed: step inputs, final norms, log-probs" if ckpt else "what autograd saves per step"
     terms = [
-        Term(phase, "target outputs + teacher", target_outputs_bytes(inputs) + N * d.N_d * FP32 + N * 9,
-             "aux, final hidden ×2, teacher probs [B,T,N_d] fp32"),
+        Term(phase, "target outputs + teacher", target_outputs_bytes(inputs) + teacher_bytes,
+             f"aux, final hidden ×2, {teacher_note}"),
         Term(phase, "TTT K/V cache", cache, f"{d.K} steps"),
         Term(phase, "TTT saved activations", up.kept_after_forward - cache - shared,
              f"{saved_note}; {d.K} steps at T={d.T}, backend {d.backend}"),
