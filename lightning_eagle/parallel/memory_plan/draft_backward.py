@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightning_eagle.draft.latent_attention import DEFAULT_DIAGONAL_CHUNK
 from lightning_eagle.parallel.memory_plan.draft_forward import (
     DraftDims,
     cache_entry_bytes,
+    cache_entry_kept,
+    eager_mask_bytes,
+    final_norm_saved,
     loss_saved,
     norm_saved,
     step_kept,
@@ -18,9 +22,46 @@ from lightning_eagle.parallel.memory_plan.inputs import FP32
 
 
 def loss_backward_ws(d: DraftDims, k: int) -> int:
-    """Soft-CE backward of step ``k``: the gradients w.r.t. the fp32 log-probs and the fp32 logits, ``[B,T−k,N_d]``
-    each, are alive together."""
-    return 2 * d.B * (d.T - k) * d.N_d * FP32
+    """Soft-CE backward of step ``k`` (``plain``): the gradients w.r.t. the fp32 log-probs and the fp32 logits,
+    ``[B,T−k,N_d]`` each, are alive together."""
+    return 2 * d.supervised(k) * d.N_d * FP32
+
+
+def chunked_chunk_ws(d: DraftDims, k: int, backward: bool) -> int:
+    """One chunk of ``FusedHeadSoftCE`` (``training/chunked_loss.py``) over ``C`` rows, at its worst point.
+
+    Forward: the gathered rows ``[C,H]``, their norm (fp32 copy, normed, output), the logits ``[C,N_d]`` beside their
+    fp32 log-softmax and the teacher's fp32 logits and probabilities (``ChunkedTeacher.probs_at``: the gathered
+    ``[C,H_t]`` target rows, their ``[C,N_d]`` logits, in fp32, then their softmax).
+    Backward: the same rows and norm (with autograd's saved tensors), the logits, the teacher probabilities and the
+    logit gradient (fp32, then in the draft dtype) — with several chunks, the previous chunk's logits,
+    probabilities and logit gradient are still referenced while the next chunk's are formed — or ``lm_head``'s
+    chunk gradient ``dzᵀ·normed`` ``[N_d,H]`` and its fp32 copy (added to the fp32 accumulator)."""
+    C, s = d.chunk_rows(k), d.s
+    copy32 = 0 if d.fp32 else FP32  # x.float() of an fp32 tensor is the tensor itself
+    rows = C * d.H * (3 * s + copy32) + C * d.H_t * d.s_t
+    teacher = 2 * FP32  # fp32 teacher logits (or the fp32 Linear output itself) and their softmax
+    if not backward:
+        return rows + C * d.N_d * (s + FP32 + max(teacher, copy32))
+    multi = d.supervised(k) > C  # the previous chunk's probabilities and logit gradient are still referenced
+    coefficient = max(
+        s + teacher + ((FP32 + s) if multi else 0),  # this chunk's logits and teacher probabilities
+        s + FP32 + (s if multi else 0) + copy32 + FP32,  # the fp32 log-softmax of the logits
+        s + FP32 + FP32 + (0 if d.fp32 else s),  # the fp32 logit gradient and its cast
+    )
+    head_grad = d.N_d * d.H * (s + copy32)
+    return rows + max(C * d.N_d * coefficient, C * d.N_d * (2 * s + FP32) + head_grad)
+
+
+def chunked_loss_backward_ws(d: DraftDims, k: int, head_in_flight: int) -> int:
+    """``FusedHeadSoftCE.backward`` of step ``k``: the ``[B,T,H]`` hidden gradient (zero-filled, written chunk by
+    chunk) and the fp32 ``lm_head`` gradient accumulator ``[N_d,H]`` live through the chunk loop
+    (:func:`chunked_chunk_ws`); on return the accumulator's cast to the draft dtype, then autograd adds it to the
+    unrolled gradient (``head_in_flight``)."""
+    grad_h, grad_w32 = d.BT * d.H * d.s, d.N_d * d.H * FP32
+    loop = grad_w32 + chunked_chunk_ws(d, k, backward=True)
+    returned = max(grad_w32 + d.N_d * d.H * d.s, head_in_flight)
+    return grad_h + max(loop, returned)
 
 
 def mlp_backward_ws(d: DraftDims) -> int:
@@ -41,20 +82,44 @@ def attention_backward_ws(d: DraftDims, k: int) -> int:
     if d.backend == "eager":
         # The two slices' zero-filled gradients and the block matmul's gradient (3 in the draft dtype), or later the
         # summed gradient with its fp32 copy and the fp32 softmax backward.
-        probs = d.B * d.n * d.T * (d.T + k)
+        probs = d.B * d.n * d.T * (d.T_keys + k)
         return probs * max(3 * d.s, d.s + 2 * FP32) + k * BTn * (d.d_qk + d.d_v) * d.s
     if d.cpu:
         kernel = 6 * BTn * max(d.d_qk, d.d_v) * d.s
     else:
         # Per 256-query chunk: the previous chunk's probs/dP/dS are still referenced while the next chunk's scores,
         # scores − LSE and exp are formed: six fp32 [B,n,256,T] tiles (one chunk only: four).
-        tiles = (6 if d.T > 256 else 4) * d.B * d.n * min(256, d.T) * d.T * FP32
+        tiles = (6 if d.T_keys > 256 else 4) * d.B * d.n * min(256, d.T_keys) * d.T * FP32
         kernel = BTn * ((d.d_qk + d.d_v) * FP32 + (2 * d.d_qk + d.d_v) * FP32 + d.d_v * d.s) + tiles
+    if d.latent:
+        return latent_attention_backward_ws(d, k, kernel)
     if k == 0:
         return kernel
     returned = BTn * (2 * d.d_qk + d.d_v) * d.s
     diagonal = k * BTn * (d.d_qk + d.d_v) * (2 * FP32 + d.s) + BTn * (d.d_qk + d.d_v) * FP32 + returned
     return max(kernel, diagonal)
+
+
+def latent_attention_backward_ws(d: DraftDims, k: int, kernel: int) -> int:
+    """``flash_lse`` over a latent cache (``draft/latent_attention.py``): the block kernel's backward on the
+    expanded ``K_0``/``V_0`` (``kernel``); then, for ``k ≥ 1``, ``_LatentLSEMergedTTTAttention.backward``'s diagonal
+    part — beside the kernel's returned grads, the fp32 ``dq``, ``W_kv`` copy and gradient ``[n,d_nope+d_v,r]``, the
+    later latents' and rope keys' fp32 gradients ``[k,B,T,r+d_rope]``, and per slot chunk the re-expanded later
+    ``K_i``/``V_i``, their gradients and the chunk's fp32 ``q``/``dO``/``dq`` (``k·[B,n,C,·]``, fp32); finally the
+    step-0 block's expansion backward: the ``[B,T,n·(d_nope+d_v)]`` gradient of the ``kv_b_proj`` output, assembled
+    from ``dK_0``/``dV_0``."""
+    BTn, s = d.BT * d.n, d.s
+    returned = BTn * (2 * d.d_qk + d.d_v) * s
+    expansion = returned + d.BT * d.n * (d.d_nope + d.d_v) * s
+    if k == 0:
+        return max(kernel, expansion)
+    C = min(DEFAULT_DIAGONAL_CHUNK, d.T)
+    copy32 = 0 if d.fp32 else FP32
+    w = d.n * (d.d_nope + d.d_v) * d.kv_lora
+    held = returned + BTn * d.d_qk * copy32 + w * (copy32 + FP32) + k * d.BT * (d.kv_lora + d.d_rope) * FP32
+    later = k * d.B * d.n * C * FP32 * (2 * d.d_qk + 2 * (d.d_nope + d.d_v) + d.d_v)
+    chunk = later + d.B * d.n * C * FP32 * (2 * d.d_qk + d.d_v) + w * FP32 + k * d.B * C * (d.kv_lora + d.d_rope) * FP32
+    return max(kernel, held + chunk, expansion)
 
 
 def situ_forward_ws(d: DraftDims, saved: bool) -> int:
@@ -73,12 +138,56 @@ class UnrollPeak:
 
 
 def last_step_forward(d: DraftDims, checkpointing: bool, shared: int, kept: list[int]) -> int:
-    """The forward's own peak: the last step's SiTU, before its final norm and loss exist (eager: the cache list,
-    whose later entries the unroll drops on return, is still alive)."""
-    peak = shared + sum(kept) - loss_saved(d, d.K - 1) - norm_saved(d, d.H) + situ_forward_ws(d, not checkpointing)
-    if d.backend == "eager" and not checkpointing:
-        peak += (d.K - 1) * cache_entry_bytes(d)
+    """The forward's own peak: the last step's SiTU, before its final norm and loss exist; the cache list, whose
+    entries the unroll drops on return where no tensor saved them (``eager``'s later K/V, a latent entry's rope
+    key), is still alive. With the chunked loss, also the last step's loss chunk (:func:`chunked_chunk_ws`)."""
+    # The cache list's entries beyond what is saved of them (none when checkpointed: every entry is kept).
+    listed = [0 if checkpointing else cache_entry_bytes(d) - cache_entry_kept(d, k, False) for k in range(d.K)]
+    held = shared + sum(kept) + sum(listed)
+    last = d.K - 1
+    peak = held - loss_saved(d, last) - final_norm_saved(d) + situ_forward_ws(d, not checkpointing)
+    if d.chunked:
+        peak = max(peak, held + chunked_chunk_ws(d, last, backward=False))
+    if d.sp > 1:  # the last step's input exchange: its layer holds only the norms and projections so far
+        if checkpointing:  # a first (no-grad) forward saves nothing: its input, `combined` and q are held
+            step = d.BT * (d.H + 2 * d.H + d.n * d.d_qk) * d.s
+        else:
+            parts = step_saved_parts(d, last)
+            step = parts["norms"] - norm_saved(d, d.H) + parts["attention projections"]
+        exchange = shared + sum(kept[:last]) + sum(listed[:last]) + step + exchange_forward_ws(d)
+        peak = max(peak, exchange)
     return peak
+
+
+def exchange_forward_ws(d: DraftDims) -> int:
+    """Ulysses (``parallel/sequence_parallel.py`` ``sequence_to_head_shards``) at one step, beyond what the step
+    keeps: the token-layout ``k`` and ``kv_b`` output (``v`` is its view; under SP nothing saves either once the
+    head-sharded copies exist), the packed send buffer ``[sp,B,n/sp,T/sp,2·d_qk+d_v]`` and the received one, and the
+    head-sharded ``q, k, v`` ``[B,n/sp,T,·]`` cut from it — the same bytes as ``[B,n,T/sp,·]`` — while the
+    token-layout ``q`` (counted by the step) is still referenced. The output's inverse exchange (a contiguous send
+    copy and the receive buffer, ``[B,n,T/sp,d_v]`` each) is smaller."""
+    if d.sp == 1:
+        return 0
+    BTn, packed = d.BT * d.n, 2 * d.d_qk + d.d_v
+    return BTn * d.s * (d.d_qk + d.d_nope + d.d_v + 2 * packed + packed)
+
+
+def exchange_backward_ws(d: DraftDims) -> int:
+    """The exchanges' adjoints in the backward of one step: after the attention backward, the head-sharded
+    ``dq, dk, dv`` packed into one buffer and its exchange (``_AllToAll.backward``: the same all-to-all), then the
+    token-layout gradients copied out of it — two packed ``[B,n,T/sp,2·d_qk+d_v]`` buffers at a time (the output's
+    adjoint, ``[B,n,T/sp,d_v]`` ×3, comes before the attention backward and is smaller)."""
+    if d.sp == 1:
+        return 0
+    return 2 * d.BT * d.n * (2 * d.d_qk + d.d_v) * d.s
+
+
+def cache_grad_bytes(d: DraftDims) -> int:
+    """The gradient of one cached entry, waiting in a buffer until its step is back-propagated: per-head K/V
+    ``[B,n,T,d_qk+d_v]``, or a latent entry's ``[B,1,T,r]`` + ``[B,1,T,d_rope]``."""
+    if d.latent:
+        return d.BT * (d.kv_lora + d.d_rope) * d.s
+    return d.BT * d.n * (d.d_qk + d.d_v) * d.s
 
 
 def step_backward_stages(
@@ -100,11 +209,14 @@ def step_backward_stages(
         return groups[group][0] if first else 0
 
     parts = step_saved_parts(d, j)
-    final_norm = norm_saved(d, d.H)
-    buffers = 0 if first else shapes.unrolled * s + (j + 1) * d.BT * d.n * (d.d_qk + d.d_v) * s
+    final_norm = parts["final norm"]
+    buffers = 0 if first else shapes.unrolled * s + (j + 1) * cache_grad_bytes(d)
     live = shared + sum(kept[: j + 1]) + buffers
-    logits_grad = d.B * d.T * d.N_d * s
-    stages = {"loss / lm_head": live + max(loss_backward_ws(d, j), logits_grad + in_flight("head"))}
+    if d.chunked:
+        stages = {"loss / lm_head": live + chunked_loss_backward_ws(d, j, in_flight("head"))}
+    else:
+        logits_grad = d.B * d.T * d.N_d * s
+        stages = {"loss / lm_head": live + max(loss_backward_ws(d, j), logits_grad + in_flight("head"))}
     live += created("head") - loss_saved(d, j) - final_norm
     if checkpointing:  # the step's forward again, saving this time, with a second copy of its K/V
         live += sum(parts.values()) - parts["loss"] - final_norm + cache_entry_bytes(d)
@@ -113,6 +225,8 @@ def step_backward_stages(
     live += created("mlp") - parts["SiTU MLP"] - norm_saved(d, d.H) - parts["attention output"]
     live += created("attention output")
     stages["attention"] = live + attention_backward_ws(d, j)
+    if d.sp > 1:
+        stages["attention exchange"] = live + exchange_backward_ws(d)
     return {f"{stage} backward of step {j}": value for stage, value in stages.items()}
 
 
@@ -121,6 +235,8 @@ def unroll_peak(d: DraftDims, checkpointing: bool, shared: int, shapes: DraftSha
     back-propagates the last step first). The last candidate is ``fc``'s gradient, once per unroll, at the end."""
     kept = [step_kept(d, k, checkpointing) for k in range(d.K)]
     stages = {"last step forward": last_step_forward(d, checkpointing, shared, kept)}
+    # Without checkpointing nothing holds the cache (and eager's mask with it) once the unroll returns.
+    shared -= 0 if checkpointing else eager_mask_bytes(d)
     for j in reversed(range(d.K)):
         stages.update(step_backward_stages(d, j, checkpointing, shared, kept, shapes))
     stages["fc backward"] = shared + kept[0] + (shapes.unrolled + shapes.projection) * d.s

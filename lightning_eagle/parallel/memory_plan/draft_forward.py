@@ -19,7 +19,8 @@ class DraftDims:
     """The sizes the TTT unroll's tensors are made of. ``s``: draft dtype bytes; ``s_t``: target dtype bytes."""
 
     B: int
-    T: int
+    T: int  # slots this rank unrolls: the sequence, or its 1/sp share under draft sequence parallelism
+    T_keys: int  # keys a query attends over: the whole (padded) sequence
     K: int
     H: int  # draft hidden
     H_t: int  # target hidden (aux states are [B,T,3·H_t])
@@ -37,13 +38,24 @@ class DraftDims:
     gate: bool
     backend: str
     cpu: bool
+    kv_cache: str = "expanded"  # ttt_kv_cache: "expanded" per-head K/V, "latent" MLA latent + rope key
+    loss: str = "plain"  # loss_backend: "plain" [*,N_d] logits + log-probs per step, "chunked" fused per row chunk
+    loss_chunk: int = 1024  # rows per chunk of the chunked loss
+    sp: int = 1  # draft sequence-parallel size (Ulysses: heads sharded over sp ranks inside the attention)
 
     @classmethod
     def of(cls, inputs: PlanInputs) -> DraftDims:
         c = inputs.draft
+        if inputs.ttt_kv_cache == "latent" and inputs.draft_sp > 1:
+            # draft/latent_attention.py check_latent_cache: the latents expand for every head, SP gives n/sp.
+            raise ValueError(
+                f"ttt_kv_cache='latent' needs draft_sequence_parallel_size=1 (head-sharded attention expands the "
+                f"latents per head), got draft_sequence_parallel_size={inputs.draft_sp}; use ttt_kv_cache='expanded'"
+            )
         return cls(
             B=inputs.batch_size,
-            T=inputs.seq_len,
+            T=inputs.local_seq_len,
+            T_keys=inputs.local_seq_len * inputs.draft_sp,
             K=inputs.ttt_steps,
             H=c.hidden_size,
             H_t=c.target_hidden_size or c.hidden_size,
@@ -61,6 +73,10 @@ class DraftDims:
             gate=c.mla_use_output_gate,
             backend=inputs.attention_backend,
             cpu=inputs.device == "cpu",
+            kv_cache=inputs.ttt_kv_cache,
+            loss=inputs.loss_backend,
+            loss_chunk=inputs.loss_chunk,
+            sp=inputs.draft_sp,
         )
 
     @property
@@ -71,9 +87,25 @@ class DraftDims:
     def BT(self) -> int:
         return self.B * self.T
 
+    def supervised(self, k: int) -> int:
+        """Slots of step ``k`` with a target (``t + k < T``) on the rank that has the most: ``B·min(T, T_keys−k)``."""
+        return self.B * min(self.T, self.T_keys - k)
+
     @property
     def fp32(self) -> bool:
         return self.s == FP32
+
+    @property
+    def latent(self) -> bool:
+        return self.kv_cache == "latent"
+
+    @property
+    def chunked(self) -> bool:
+        return self.loss == "chunked"
+
+    def chunk_rows(self, k: int) -> int:
+        """Rows of the chunked loss's largest chunk at step ``k``."""
+        return min(self.loss_chunk, self.supervised(k))
 
 
 # ---- the draft's forward: what autograd keeps per TTT step ----------------------------------------------------------
@@ -87,37 +119,68 @@ def norm_saved(d: DraftDims, width: int, input_needs_grad: bool = True, input_is
     return x32 + rsqrt + 2 * d.BT * width * d.s
 
 
-def cache_entry_bytes(d: DraftDims) -> int:
-    """The K/V one step appends (``ops/mla.py`` ``project``): ``k`` = cat(k_nope, k_rot) ``[B,n,T,d_qk]`` is a new
-    tensor; ``v`` is a view of the ``kv_b_proj`` output, so the cache keeps that whole ``[B,T,n·(d_nope+d_v)]``."""
+def expanded_kv_bytes(d: DraftDims) -> int:
+    """One step's per-head K/V as ``ops/mla.py`` ``expand_latent_kv`` makes them: ``k`` = cat(k_nope, k_rot)
+    ``[B,n,T,d_qk]`` is a new tensor; ``v`` is a view of the ``kv_b_proj`` output, which stays alive whole
+    ``[B,T,n·(d_nope+d_v)]``."""
     return d.BT * d.n * (d.d_qk + d.d_nope + d.d_v) * d.s
+
+
+def cache_entry_bytes(d: DraftDims) -> int:
+    """The storages one step's cache entry holds.
+
+    ``expanded``: the K/V of :func:`expanded_kv_bytes`; under sequence parallelism the all-to-all hands the cache
+    separate head-sharded ``k [B,n/sp,T_keys,d_qk]`` and ``v [B,n/sp,T_keys,d_v]`` (the reshape of each permuted
+    part copies), the same bytes as ``[B,n,T/sp,·]`` without the ``k_nope`` half of the ``kv_b_proj`` output.
+    ``latent``: the normalised latent ``[B,1,T,r]`` (``kv_a_layernorm``'s output) and the rope key, a view of the
+    whole ``kv_a_proj_with_mqa`` output ``[B,T,r+d_rope]``."""
+    if d.latent:
+        return d.BT * (2 * d.kv_lora + d.d_rope) * d.s
+    if d.sp > 1:
+        return d.BT * d.n * (d.d_qk + d.d_v) * d.s
+    return expanded_kv_bytes(d)
 
 
 def attention_projection_saved(d: DraftDims) -> int:
     """``combined [B,T,2H]`` (saved by q_a / kv_a / g_proj), the q path and the kv latent path, and ``q`` itself
-    (saved by the attention core; it is a view of the ``q_b_proj`` output)."""
+    (saved by the attention core; a view of the ``q_b_proj`` output, or under sequence parallelism its head-sharded
+    copy of the same bytes). With a latent cache the latent norm's output and the ``kv_a`` output are the cache
+    entry's (:func:`cache_entry_kept`)."""
     combined = d.BT * 2 * d.H * d.s
     q_path = 0 if d.q_lora is None else norm_saved(d, d.q_lora)
     q = d.BT * d.n * d.d_qk * d.s
     # kv_a_layernorm reads the latent slice of the kv_a output: its fp32 "copy" is a view of the whole output in fp32.
-    latent_x32 = d.BT * (d.kv_lora + d.d_rope) * FP32 if d.fp32 else d.BT * d.kv_lora * FP32
-    kv_path = latent_x32 + norm_saved(d, d.kv_lora, input_is_kept=True)
+    if d.fp32:
+        latent_x32 = 0 if d.latent else d.BT * (d.kv_lora + d.d_rope) * FP32
+    else:
+        latent_x32 = d.BT * d.kv_lora * FP32
+    kv_path = latent_x32 + norm_saved(d, d.kv_lora, input_is_kept=True) - (d.BT * d.kv_lora * d.s if d.latent else 0)
     return combined + q_path + q + kv_path
 
 
 def attention_core_saved(d: DraftDims, k: int) -> int:
-    """What the TTT attention of step ``k`` keeps besides q and the cache (``draft/ttt_attention.py``).
+    """What the TTT attention of step ``k`` keeps besides q and the cache (``draft/ttt_attention.py``,
+    ``draft/latent_attention.py``).
 
     ``flash_lse``: the output ``[B,n,T,d_v]`` and the fp32 LSE ``[B,n,T]`` (the fused CPU kernel's step-0 output is
     a view of its padded ``[B,n,T,max(d_qk,d_v)]`` result). ``eager``: the fp32 probabilities ``[B,n,T,T+k]`` (and
     their cast to the draft dtype, which the two matmuls save), and for ``k ≥ 1`` the stacked later-step K/V and a
-    contiguous copy of ``q`` that the diagonal einsums save."""
+    contiguous copy of ``q`` that the diagonal einsums save. A latent cache adds, every step, the step-0 block
+    ``K_0``/``V_0`` that step expanded for its kernel (:func:`expanded_kv_bytes`; ``eager``: ``K_0`` and the
+    contiguous copy of ``V_0`` its matmul saves); ``eager`` expands the later steps too, but keeps only their stacked
+    copies."""
+    if d.backend == "flash_lse":
+        expanded_block = expanded_kv_bytes(d) if d.latent else 0
+    elif d.sp == 1:  # the block matmul saves a contiguous copy of V_0 (a strided view of the kv_b output)
+        expanded_block = d.BT * d.n * ((d.d_qk if d.latent else 0) + d.d_v) * d.s
+    else:  # head-sharded K/V are contiguous already: the cache entry itself is saved
+        expanded_block = 0
     if d.backend == "flash_lse":
         width = max(d.d_qk, d.d_v) if (d.cpu and k == 0) else d.d_v
-        return d.BT * d.n * (width * d.s + FP32)
-    probs = d.B * d.n * d.T * (d.T + k) * (FP32 if d.fp32 else FP32 + d.s)
+        return d.BT * d.n * (width * d.s + FP32) + expanded_block
+    probs = d.B * d.n * d.T * (d.T_keys + k) * (FP32 if d.fp32 else FP32 + d.s)
     diagonal = (k * (d.d_qk + d.d_v) + d.d_qk) * d.BT * d.n * d.s if k else 0
-    return probs + diagonal
+    return probs + diagonal + expanded_block
 
 
 def attention_output_saved(d: DraftDims) -> int:
@@ -132,24 +195,33 @@ def situ_saved(d: DraftDims) -> int:
 
 
 def loss_saved(d: DraftDims, k: int) -> int:
-    """``log_softmax(logits.float())`` of the supervised slots ``[B,T−k,N_d]`` in fp32, kept until the backward:
-    every step's loss is computed in the loop and back-propagated once at the end."""
-    return d.B * (d.T - k) * d.N_d * FP32
+    """``plain``: ``log_softmax(logits.float())`` of the supervised slots ``[B,T−k,N_d]`` in fp32, kept until the
+    backward (every step's loss is computed in the loop and back-propagated once at the end). ``chunked``
+    (``training/chunked_loss.py`` ``FusedHeadSoftCE``): nothing ``[*,N_d]``-sized; the function saves the step output
+    ``h [B,T,H]`` (its backward recomputes the final norm and the logits per chunk; the next step keeps the same
+    tensor, or an fp32 copy of it) and the supervised slots' int64 indices ``[R]``."""
+    if d.chunked:
+        return d.BT * d.H * d.s + d.supervised(k) * 8
+    return d.supervised(k) * d.N_d * FP32
+
+
+def final_norm_saved(d: DraftDims) -> int:
+    """The final norm before ``lm_head`` (``plain``); the chunked loss runs it inside its function, saving nothing."""
+    return 0 if d.chunked else norm_saved(d, d.H)
 
 
 def step_saved_parts(d: DraftDims, k: int) -> dict[str, int]:
     """What autograd keeps for TTT step ``k`` (its K/V cache entry excluded), by part of the layer.
 
     The step input ``h`` (step 0: ``fc`` output; later: the previous step's output) is kept by ``hidden_norm``; in
-    fp32 that is the previous step's final-norm input, already counted there. The embedding is frozen, so
-    ``input_layernorm`` keeps only its ``normed``."""
+    fp32 that is the previous step's final-norm input (``plain``) or the tensor the chunked loss saved, already
+    counted there. The embedding is frozen, so ``input_layernorm`` keeps only its ``normed``."""
     hidden_kept = d.fp32 and k > 0
     norms = (
         # input_layernorm and hidden_norm: their outputs are concatenated (only `combined` is saved)
         norm_saved(d, d.H, input_needs_grad=False) - d.BT * d.H * d.s
         + norm_saved(d, d.H, input_is_kept=hidden_kept) - d.BT * d.H * d.s
         + norm_saved(d, d.H)  # post_attention_layernorm: its input h (mid-step residual) is new
-        + norm_saved(d, d.H)  # final norm (logits): the step output
     )  # fmt: skip
     return {
         "norms": norms,
@@ -157,32 +229,53 @@ def step_saved_parts(d: DraftDims, k: int) -> dict[str, int]:
         "attention core": attention_core_saved(d, k),
         "attention output": attention_output_saved(d),
         "SiTU MLP": situ_saved(d),
+        "final norm": final_norm_saved(d),
         "loss": loss_saved(d, k),
     }
 
 
 def checkpointed_step_kept(d: DraftDims, k: int) -> int:
     """With activation checkpointing (``training/ttt.py`` ``checkpointed_draft_step``) a step keeps its input
-    hidden (for the recompute; in fp32 it is the previous step's final-norm input), and outside the checkpoint
-    the final norm before ``lm_head`` and the loss's log-probabilities."""
-    hidden = 0 if (d.fp32 and k > 0) else d.BT * d.H * d.s
-    return hidden + norm_saved(d, d.H) + loss_saved(d, k)
+    hidden (for the recompute; for ``k > 0`` the previous step's output: in fp32 the previous final-norm input, with
+    the chunked loss the tensor it saved), and outside the checkpoint the final norm and the loss's saved tensors."""
+    hidden = 0 if (k > 0 and (d.fp32 or d.chunked)) else d.BT * d.H * d.s
+    return hidden + final_norm_saved(d) + loss_saved(d, k)
 
 
 def unroll_shared_saved(d: DraftDims, target_dtype: torch.dtype, draft_dtype: torch.dtype) -> int:
-    """Kept once per unroll: the additive ``[B,1,T,T]`` causal ∧ padding mask in the draft dtype (built once by the
-    cache), and ``fc``'s input cast to the draft dtype when the aux states come in another dtype."""
-    mask = d.B * d.T * d.T * d.s
+    """Held once per unroll: ``eager``'s additive ``[B,1,T,T]`` causal ∧ padding mask in the draft dtype
+    (:func:`eager_mask_bytes`; ``flash_lse`` builds none: right-padded rows are a tensor-free ``CausalBlock``), and
+    ``fc``'s input cast to the draft dtype when the aux states come in another dtype."""
     cast = d.BT * 3 * d.H_t * d.s if target_dtype != draft_dtype else 0
-    return mask + cast
+    return eager_mask_bytes(d) + cast
+
+
+def eager_mask_bytes(d: DraftDims) -> int:
+    """``eager``'s additive ``[B,1,T,T]`` mask (over the whole sequence): held by the cache, which lives through the
+    forward — and, with activation checkpointing, through the backward too (every recompute's closure holds it); no
+    op saves the mask itself."""
+    return d.B * d.T_keys * d.T_keys * d.s if d.backend == "eager" else 0
 
 
 def cache_entry_kept(d: DraftDims, k: int, checkpointing: bool) -> int:
-    """Cache entry ``k`` after the forward: ``flash_lse`` saves every entry as it is (later entries individually);
-    ``eager`` saves entry 0 and *stacked copies* of the later ones (counted in :func:`attention_core_saved`), so the
-    originals die with the cache list; a checkpointed step keeps every entry as an input of its recompute."""
-    if d.backend == "eager" and not checkpointing and k > 0:
+    """Cache entry ``k`` after the forward. A checkpointed step keeps every entry as an input of its recompute.
+
+    ``expanded``: ``flash_lse`` saves every entry as it is (later entries individually); ``eager`` saves entry 0 and
+    *stacked copies* of the later ones (counted in :func:`attention_core_saved`), so the originals die with the
+    cache list (and the ``kv_b`` output behind ``V_0``: the block matmul saved a contiguous copy). ``latent``: the
+    normalised latent is saved by every expansion of it; the ``kv_a`` output behind
+    the rope key only where a tensor saves that view — ``flash_lse``'s function saves the later steps' rope keys
+    (step 0's is expanded and dropped), in fp32 the latent norm saves the whole output as its ``x.float()``."""
+    if checkpointing:
+        return cache_entry_bytes(d)
+    if d.latent:
+        kv_a = d.BT * (d.kv_lora + d.d_rope) * d.s
+        keeps_kv_a = d.fp32 or (d.backend == "flash_lse" and k > 0)
+        return d.BT * d.kv_lora * d.s + (kv_a if keeps_kv_a else 0)
+    if d.backend == "eager" and k > 0:
         return 0
+    if d.backend == "eager" and d.sp == 1:  # K_0 only: V_0's matmul saved a copy (attention_core_saved)
+        return d.BT * d.n * d.d_qk * d.s
     return cache_entry_bytes(d)
 
 
