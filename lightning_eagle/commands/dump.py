@@ -18,20 +18,26 @@ def main(words: list[str] | None = None, from_sys_argv: bool = False) -> None:
         prog="lightning-eagle dump",
         description="Run the frozen target once over the config's data and store its EAGLE-3 features "
         "(then train with target_source: features, e.g. configs/quickstart_offline.yaml). Other options "
-        "(--config, --trainer.*, --model.*, --data.*) are read as for fit.",
+        "(--config, --trainer.*, --model.*, --data.*) are read as for fit; --model.target_token_chunk runs the "
+        "target forward in token segments here too.",
     )
     parser.add_argument("--out", default=None, help="features folder (default: <trainer.default_root_dir>/features)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="storage dtype of the states")
     parser.add_argument("--hidden-states", default="prenorm", choices=fmt.HIDDEN_KINDS,
                         help="final hidden before (default) or after the final norm")  # fmt: skip
     parser.add_argument("--shard-rows", type=int, default=256,
-                        help="rows per shard file (collected in host memory: fewer for long rows)")  # fmt: skip
+                        help="at most this many rows per shard file (a shard is collected in host memory)")  # fmt: skip
+    parser.add_argument("--shard-tokens", type=int, default=None,
+                        help="at most this many tokens per shard file (default: no token budget); bounds the host "
+                        "memory of long rows: bytes/token x this, e.g. 57 KB x 262144 = 15 GB on K3")  # fmt: skip
     args, rest = parser.parse_known_args(sys.argv[1:] if words is None else words)
     cli = chat_data_cli(rest, from_sys_argv or words is None, command="dump")
     trainer = cli.trainer
     out = Path(args.out) if args.out else Path(trainer.default_root_dir) / "features"
+    # the target forward runs as the run's own: model.target_token_chunk (memory linear in T) applies to the dump too
     dump_features(cli.model.target_spec, cli.datamodule, out, trainer, dtype=args.dtype,
-                  hidden_states=args.hidden_states, shard_rows=args.shard_rows)  # fmt: skip
+                  hidden_states=args.hidden_states, shard_rows=args.shard_rows, shard_tokens=args.shard_tokens,
+                  target_token_chunk=cli.model.hparams.target_token_chunk)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -20,8 +20,11 @@ _MEASURE_EVERY = 8
 
 
 def rendered_length(messages: list[dict[str, Any]], tokenizer: Any, **render_options: Any) -> int:
-    """Tokens of ``messages`` as the data pipeline renders them (K3 XTML or K2, generation prompt off), uncut."""
-    return _Measure(tokenizer, render_options)(messages)
+    """Tokens of ``messages`` as the data pipeline renders them (K3 XTML or K2, generation prompt off), uncut.
+    ``tokenizer``: a tokenizer or what ``data.tokenizer`` accepts (``"synthetic"``, a directory)."""
+    from lightning_eagle.data.tokenizer_choice import resolve_tokenizer
+
+    return _Measure(resolve_tokenizer(tokenizer), render_options)(messages)
 
 
 class _Measure:

@@ -53,13 +53,19 @@ def prompts_from_chats(
     return prompts
 
 
-def prompts_from_token_rows(rows: Iterable[tuple[Sequence[int], Sequence[int]]], max_prompts: int | None = None):
+def prompts_from_token_rows(
+    rows: Iterable[tuple[Sequence[int], Sequence[int]]],
+    max_prompts: int | None = None,
+    max_prompt_tokens: int | None = None,
+):
     """Pre-tokenized rows ``(input_ids, loss_mask)``: a prompt ends where each supervised span starts (the
-    assistant body after its header)."""
+    assistant body after its header). Prompts longer than ``max_prompt_tokens`` are skipped."""
     prompts: list[list[int]] = []
     for ids, mask in rows:
         ids, mask = list(map(int, ids)), list(map(int, mask))
         for t in range(1, len(ids)):
+            if max_prompt_tokens is not None and t > max_prompt_tokens:
+                break  # every later span's prompt is longer still
             if mask[t] and not mask[t - 1]:
                 prompts.append(ids[:t])
                 if max_prompts is not None and len(prompts) >= max_prompts:
@@ -103,38 +109,53 @@ def prompts_from_datamodule(
             )
         else:
             item = base[idx]
-            prompts += prompts_from_token_rows([(item["input_ids"], item["loss_mask"])], left)
+            prompts += prompts_from_token_rows([(item["input_ids"], item["loss_mask"])], left, max_prompt_tokens)
     return prompts
 
 
-def bundled_held_out_prompts(max_prompts: int | None = None, **datamodule_kwargs: Any) -> list[list[int]]:
+def bundled_held_out_prompts(
+    max_prompts: int | None = None, max_prompt_tokens: int | None = None, **datamodule_kwargs: Any
+) -> list[list[int]]:
     """Held-out prompts of the bundled synthetic corpus: the validation split of a default ``ChatDataModule`` with
-    the quickstart's data settings (synthetic tokenizer, thinking on, no effort note, 5 % held out, seed 0)."""
+    the quickstart's data settings (synthetic tokenizer, thinking on, no effort note, 5 % held out, seed 0).
+    ``max_prompt_tokens``: as :func:`prompts_from_datamodule`'s (None: its ``max_length``)."""
     from lightning_eagle.data.datamodule import ChatDataModule
 
     kwargs = {"max_length": 256, "thinking": True, "thinking_effort": None, "val_fraction": 0.05}
     kwargs.update(datamodule_kwargs)
-    return prompts_from_datamodule(ChatDataModule(**kwargs), max_prompts)
+    return prompts_from_datamodule(ChatDataModule(**kwargs), max_prompts, max_prompt_tokens)
 
 
-def resolve_prompts(data, tokenizer, num_prompts: int, render_options: dict[str, Any]) -> list[list[int]]:
-    """``data``: None (bundled held-out chats), a chat file path, a ChatDataModule, chats, or token-id prompts."""
+def resolve_prompts(
+    data,
+    tokenizer,
+    num_prompts: int | None,
+    render_options: dict[str, Any],
+    max_prompt_tokens: int | None = None,
+) -> list[list[int]]:
+    """The first ``num_prompts`` (None: all) prompts of ``data`` of at most ``max_prompt_tokens`` tokens (None: no
+    cap, but a ``ChatDataModule`` — the bundled one for None — applies its own ``max_length``); longer ones are
+    skipped while reading, so a cap never shortens the list while the source has prompts that fit.
+
+    ``data``: None (bundled held-out chats), a chat file path, a ChatDataModule, chats, or token-id prompts."""
+    cap = max_prompt_tokens
     if data is None:
-        return bundled_held_out_prompts(num_prompts)
+        return bundled_held_out_prompts(num_prompts, cap)
     if isinstance(data, (str, Path)):
         rows = load_chat_rows(data)
         chats = [r for r in rows if "messages" in r]
         if chats:
-            return prompts_from_chats(chats, _tokenizer(tokenizer), num_prompts, **render_options)
+            return prompts_from_chats(chats, _tokenizer(tokenizer), num_prompts, cap, **render_options)
         # Pre-tokenized rows: only their loss masks say where assistant turns start.
         token_rows = [(r["input_ids"], r["loss_mask"]) for r in rows if "input_ids" in r and r.get("loss_mask")]
-        return prompts_from_token_rows(token_rows, num_prompts)
+        return prompts_from_token_rows(token_rows, num_prompts, cap)
     if hasattr(data, "val_dataset") and hasattr(data, "tokenizer"):
-        return prompts_from_datamodule(data, num_prompts)
+        return prompts_from_datamodule(data, num_prompts, cap)
     items = list(data)
     if items and all(_is_token_ids(x) for x in items):
-        return [torch.as_tensor(p).tolist() for p in items[:num_prompts]]
-    return prompts_from_chats(items, _tokenizer(tokenizer), num_prompts, **render_options)
+        prompts = [torch.as_tensor(p).tolist() for p in items]
+        return [p for p in prompts if cap is None or len(p) <= cap][:num_prompts]
+    return prompts_from_chats(items, _tokenizer(tokenizer), num_prompts, cap, **render_options)
 
 
 def _is_token_ids(item) -> bool:

@@ -7,13 +7,14 @@ scale)`` and return ``o [B,n,T,d_v]``):
 * ``"eager"`` — the readable twin and the reference's exact formulation: materialises the ``[B,n,T,T+k]`` scores and
   fp32 probabilities. Default; used by the golden test.
 * ``"flash_lse"`` — no ``[B,n,T,T+k]`` tensor: the causal block runs through an LSE-returning kernel
-  (:mod:`lightning_eagle.draft.block_attention`), the k diagonal scores are ``[B,n,T,k]``, and the two are merged
-  through the log-sum-exp inside a custom ``autograd.Function`` whose backward feeds the merged output and LSE to the
-  block kernel's backward (the gradient trap of §8). Step 0 is the same function with no diagonal columns, i.e. plain
-  causal attention. The long-context backend: for an unpadded or right-padded batch (what training feeds) the block
-  rule is a tensor-free :class:`~lightning_eagle.draft.block_attention.CausalBlock`, so no step builds or keeps any
-  ``[T,T]`` tensor; any other mask (left padding, holes) takes the exact additive ``[B|1,1,T,T]`` mask
-  (:func:`step_zero_rule`). Either way every row, padding rows included, equals ``eager``.
+  (:mod:`lightning_eagle.draft.block_attention`), the k diagonal columns are computed per chunk of slots (``chunk``
+  slots of every later step at once, :data:`DEFAULT_DIAGONAL_CHUNK`; no ``[k,B,n,T,d]`` stack, forward or backward),
+  and the two are merged through the log-sum-exp inside a custom ``autograd.Function`` whose backward feeds the
+  merged output and LSE to the block kernel's backward (the gradient trap of §8). Step 0 is the same function with
+  no diagonal columns, i.e. plain causal attention. The long-context backend: for an unpadded or right-padded batch
+  (what training feeds) the block rule is a tensor-free :class:`~lightning_eagle.draft.block_attention.CausalBlock`,
+  so no step builds or keeps any ``[T,T]`` tensor; any other mask (left padding, holes) takes the exact additive
+  ``[B|1,1,T,T]`` mask (:func:`step_zero_rule`). Either way every row, padding rows included, equals ``eager``.
 * ``"sdpa_mask"`` — one ``F.scaled_dot_product_attention`` call over the concatenated keys ``[K_0 ; K_1 ; … ; K_k]``
   (length ``T·(k+1)``) with a boolean ``[B|1,1,T,T·(k+1)]`` mask: fused on CUDA (memory-efficient kernel), torch's
   math path on CPU (there it materialises ``[B,n,T,T·(k+1)]`` scores; it is the CPU *training* check of the layout).
@@ -95,63 +96,93 @@ def eager_ttt_attention(q: torch.Tensor, cache: TTTCache, scale: float) -> torch
 
 
 # ---- flash_lse (block kernel + diagonal columns merged through the LSE) ---------------------------------------------
+DEFAULT_DIAGONAL_CHUNK = 512  # slots whose later-step K/V columns are processed at once (flash_lse)
+
+
+def _later_slots(tensors, start: int, end: int, acc: torch.dtype) -> torch.Tensor:
+    """Slots ``start:end`` of the later steps' K (or V), slot-major ``[B,n,chunk,k,d]`` in the accumulate dtype: every
+    product below is then one batched matmul over ``B·n·chunk`` without a relayout copy."""
+    return torch.stack([t[..., start:end, :] for t in tensors], dim=-2).to(acc)
+
+
+def _diagonal_scores(q_c: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[B,n,chunk,k]``: ``Q[t]·K_i[t]`` of each slot and later step."""
+    return torch.matmul(keys, q_c[..., None]).squeeze(-1) * scale
+
+
+def _mix(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``Σ_i weights[..., i]·rows[..., i, :]`` per slot: ``[B,n,chunk,k]`` × ``[B,n,chunk,k,d]`` → ``[B,n,chunk,d]``."""
+    return torch.matmul(weights[..., None, :], rows).squeeze(-2)
+
+
 class _LSEMergedTTTAttention(torch.autograd.Function):
     """``O = exp(lse_b − lse)·O_b + Σ_i exp(d_i − lse)·V_i[t]`` with ``lse = logaddexp(lse_b, logsumexp_i d_i)``.
 
-    Forward/backward never hold more than ``[B,n,T,k]`` diagonal scores besides the kernel's own tiles. Later-step
-    K/V are passed individually (not stacked) so that nothing O(k²) is saved across the unroll.
+    The diagonal columns are computed slot chunk by slot chunk (``chunk`` slots of every later step at once), in the
+    forward and again in the backward: besides the kernel's own tiles and the outputs, nothing larger than
+    ``k·[B,n,chunk,d_qk+d_v]`` (fp32) exists, whatever T. Later-step K/V are passed individually (not stacked) so that
+    nothing O(k²) is saved across the unroll, and their gradients are written into one output per step.
     """
 
     @staticmethod
-    def forward(ctx, q, k0, v0, mask, scale, kernel, num_diag, *later):
+    def forward(ctx, q, k0, v0, mask, scale, kernel, chunk, num_diag, *later):
         later_k, later_v = later[:num_diag], later[num_diag:]
         acc = accumulate_dtype(q.dtype)
         out_b, lse_b = kernel.forward(q, k0, v0, mask, scale)
         if num_diag:
-            diag = torch.einsum("bntc,sbntc->bnts", q.to(acc), torch.stack(later_k).to(acc)) * scale
-            lse = torch.logaddexp(lse_b.to(acc), torch.logsumexp(diag, dim=-1))
-            out = torch.exp(lse_b.to(acc) - lse)[..., None] * out_b.to(acc)
-            out = out + torch.einsum("bnts,sbntd->bntd", torch.exp(diag - lse[..., None]), torch.stack(later_v).to(acc))
-            out = out.to(q.dtype)
-            lse = lse.to(lse_b.dtype)
+            out = torch.empty(out_b.shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty(lse_b.shape, dtype=lse_b.dtype, device=q.device)
+            for start in range(0, q.shape[-2], chunk):
+                end = min(q.shape[-2], start + chunk)
+                diag = _diagonal_scores(q[..., start:end, :].to(acc), _later_slots(later_k, start, end, acc), scale)
+                block_lse = lse_b[..., start:end].to(acc)
+                lse_c = torch.logaddexp(block_lse, torch.logsumexp(diag, dim=-1))
+                o = torch.exp(block_lse - lse_c)[..., None] * out_b[..., start:end, :].to(acc)
+                o = o + _mix(torch.exp(diag - lse_c[..., None]), _later_slots(later_v, start, end, acc))
+                out[..., start:end, :], lse[..., start:end] = o, lse_c
         else:
             out, lse = out_b, lse_b
         # A CausalBlock rule is no tensor (its [B] lengths need no saving hook); an additive mask is saved as one.
         tensor_mask = mask if isinstance(mask, torch.Tensor) else None
         ctx.save_for_backward(q, k0, v0, tensor_mask, out, lse, *later)
-        ctx.scale, ctx.kernel, ctx.num_diag, ctx.rule = (
-            scale,
-            kernel,
-            num_diag,
-            None if tensor_mask is not None else mask,
-        )
+        ctx.scale, ctx.kernel, ctx.chunk, ctx.num_diag = scale, kernel, chunk, num_diag
+        ctx.rule = None if tensor_mask is not None else mask
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k0, v0, mask, out, lse, *later = ctx.saved_tensors
-        scale, num_diag = ctx.scale, ctx.num_diag
+        scale, chunk, num_diag = ctx.scale, ctx.chunk, ctx.num_diag
         mask = mask if ctx.rule is None else ctx.rule
         # Block columns: the kernel recomputes P = exp(S − lse) with the *merged* lse and uses D = rowsum(dO ⊙ O) with
         # the *merged* O, i.e. the block part of the full-row softmax gradient.
         dq, dk0, dv0 = ctx.kernel.backward(grad_out, q, k0, v0, mask, out, lse, scale)
-        later_grads: list[torch.Tensor | None] = []
-        if num_diag:
-            acc = accumulate_dtype(q.dtype)
-            later_k = torch.stack(later[:num_diag]).to(acc)
-            later_v = torch.stack(later[num_diag:]).to(acc)
-            q_acc, do = q.to(acc), grad_out.to(acc)
-            diag = torch.einsum("bntc,sbntc->bnts", q_acc, later_k) * scale
-            probs = torch.exp(diag - lse.to(acc)[..., None])  # [B,n,T,k]
-            delta = (do * out.to(acc)).sum(-1, keepdim=True)
-            ds = probs * (torch.einsum("bntd,sbntd->bnts", do, later_v) - delta)
-            dq = (dq.to(acc) + torch.einsum("bnts,sbntc->bntc", ds, later_k) * scale).to(q.dtype)
-            d_later_k = torch.einsum("bnts,bntc->sbntc", ds, q_acc) * scale
-            d_later_v = torch.einsum("bnts,bntd->sbntd", probs, do)
-            later_grads = [g.to(t.dtype) for g, t in zip(d_later_k.unbind(0), later[:num_diag])]
-            later_grads += [g.to(t.dtype) for g, t in zip(d_later_v.unbind(0), later[num_diag:])]
-        return (dq, dk0, dv0, None, None, None, None, *later_grads)
+        if not num_diag:
+            return (dq, dk0, dv0, None, None, None, None, None)
+        acc = accumulate_dtype(q.dtype)
+        later_k, later_v = later[:num_diag], later[num_diag:]
+        # One gradient per later step, filled slot chunk by slot chunk (no [k,B,n,T,d] stack, no fp32 copy).
+        d_later = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in later]
+        for start in range(0, q.shape[-2], chunk):
+            end = min(q.shape[-2], start + chunk)
+            keys, values = _later_slots(later_k, start, end, acc), _later_slots(later_v, start, end, acc)
+            q_c, do = q[..., start:end, :].to(acc), grad_out[..., start:end, :].to(acc)
+            probs = torch.exp(_diagonal_scores(q_c, keys, scale) - lse[..., start:end, None].to(acc))  # [B,n,C,k]
+            delta = (do * out[..., start:end, :].to(acc)).sum(-1, keepdim=True)
+            ds = probs * (torch.matmul(values, do[..., None]).squeeze(-1) - delta)
+            # The kernel's dq is ours: its rows gain the diagonal part in place (rounded once, as one sum).
+            dq[..., start:end, :] = dq[..., start:end, :].to(acc) + _mix(ds, keys) * scale
+            del keys, values
+            d_keys = (ds * scale)[..., None] * q_c[..., None, :]  # [B,n,C,k,d_qk]
+            for i in range(num_diag):
+                d_later[i][..., start:end, :] = d_keys[..., i, :]
+            del d_keys
+            d_values = probs[..., None] * do[..., None, :]  # [B,n,C,k,d_v]
+            for i in range(num_diag):
+                d_later[num_diag + i][..., start:end, :] = d_values[..., i, :]
+            del d_values  # before the next chunk's K/V: one chunk's temporaries at a time
+        return (dq, dk0, dv0, None, None, None, None, None, *d_later)
 
 
 def step_zero_rule(cache: TTTCache, q: torch.Tensor) -> BlockRule:
@@ -164,12 +195,20 @@ def step_zero_rule(cache: TTTCache, q: torch.Tensor) -> BlockRule:
     return block if block is not None else cache.additive_mask(T, q.dtype, q.device)
 
 
-def flash_lse_ttt_attention(q: torch.Tensor, cache: TTTCache, scale: float, kernel=None) -> torch.Tensor:
-    """The efficient TTT attention; ``kernel`` defaults to the fused CPU kernel on CPU, the chunked one elsewhere."""
+def flash_lse_ttt_attention(
+    q: torch.Tensor, cache: TTTCache, scale: float, kernel=None, chunk: int | None = None
+) -> torch.Tensor:
+    """The efficient TTT attention; ``kernel`` defaults to the fused CPU kernel on CPU, the chunked one elsewhere;
+    ``chunk``: slots whose diagonal columns are processed at once (default :data:`DEFAULT_DIAGONAL_CHUNK`, read at
+    call time)."""
     kernel = kernel or default_kernel(q)
+    chunk = DEFAULT_DIAGONAL_CHUNK if chunk is None else chunk
+    if chunk < 1:
+        raise ValueError(f"flash_lse diagonal chunk must be a positive number of slots, got chunk={chunk}")
     mask = step_zero_rule(cache, q)
     later = (*cache.keys[1:], *cache.values[1:])
-    return _LSEMergedTTTAttention.apply(q, cache.keys[0], cache.values[0], mask, scale, kernel, len(cache) - 1, *later)
+    steps = len(cache) - 1
+    return _LSEMergedTTTAttention.apply(q, cache.keys[0], cache.values[0], mask, scale, kernel, chunk, steps, *later)
 
 
 # ---- concatenated keys: sdpa_mask and flex_attention ---------------------------------------------------------------

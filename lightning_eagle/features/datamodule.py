@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from pathlib import Path
@@ -27,7 +28,7 @@ class FeatureRows(torch.utils.data.Dataset):
 
     def __init__(self, folder: Path, manifest: dict[str, Any], start: int, stop: int) -> None:
         self.folder, self.start, self.stop = folder, start, stop
-        self.shard_rows = manifest["shard_rows"]
+        self.bounds = fmt.shard_bounds(manifest)  # shards of a row or token budget: sizes differ
         self.shards = [s["shard"] for s in manifest["shards"]]
         self._handles: dict[int, Any] = {}
         self._offsets: dict[int, torch.Tensor] = {}
@@ -45,17 +46,25 @@ class FeatureRows(torch.utils.data.Dataset):
             self._offsets[k] = self._handles[k].get_tensor("offsets")
         return self._handles[k], self._offsets[k]
 
+    def _locate(self, row: int) -> tuple[int, int]:
+        """``(shard, index in it)`` of global row ``row``."""
+        k = bisect.bisect_right(self.bounds, row) - 1
+        return k, row - self.bounds[k]
+
     def lengths(self) -> torch.Tensor:
         """Token count of every row ``[start, stop)``, from the shards' ``offsets`` (what length bucketing sorts by)."""
-        first, last = self.start // self.shard_rows, (self.stop - 1) // self.shard_rows
-        parts = [torch.diff(self._shard(k)[1]) for k in range(first, last + 1)] if self.stop > self.start else []
-        begin = self.start - first * self.shard_rows
-        return torch.cat(parts)[begin : begin + len(self)] if parts else torch.zeros(0, dtype=torch.int64)
+        if self.stop <= self.start:
+            return torch.zeros(0, dtype=torch.int64)
+        (first, begin), (last, _) = self._locate(self.start), self._locate(self.stop - 1)
+        parts = [torch.diff(self._shard(k)[1]) for k in range(first, last + 1)]
+        return torch.cat(parts)[begin : begin + len(self)]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        row = self.start + i
-        handle, offsets = self._shard(row // self.shard_rows)
-        a, b = int(offsets[row % self.shard_rows]), int(offsets[row % self.shard_rows + 1])
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        shard, j = self._locate(self.start + i)
+        handle, offsets = self._shard(shard)
+        a, b = int(offsets[j]), int(offsets[j + 1])
         item = {name: handle.get_slice(name)[a:b] for name in ("aux_hidden_states", "hidden_states")}
         item["input_ids"] = handle.get_slice("input_ids")[a:b].long()
         item["loss_mask"] = handle.get_slice("loss_mask")[a:b].long()
@@ -71,6 +80,9 @@ class _FeatureCollate:
         length = batch["input_ids"].shape[1]
         for name in ("aux_hidden_states", "hidden_states"):
             first = rows[0][name]
+            if len(rows) == 1:  # nothing to pad: a 64K-token row of K3 states is 3.8 GB (bf16), never copied here
+                batch[name] = first[None]
+                continue
             out = first.new_zeros((len(rows), length, first.shape[-1]))  # padded positions are masked out
             for i, r in enumerate(rows):
                 out[i, : r[name].shape[0]] = r[name]

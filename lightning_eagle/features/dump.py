@@ -1,21 +1,24 @@
 """Dump the frozen target's EAGLE-3 features once (``python cli.py dump --config …``), as Lightning ``predict``:
 
 1. **Plan**: every row of the data module — its training split in order, then its validation rows — is numbered;
-   shard ``k`` holds rows ``[k·R, (k+1)·R)``. ``plan.json`` records what is dumped (target fingerprint, taps,
-   data and vocab-map fingerprints, dtype, pre/post-norm); a folder holding another plan is refused.
+   shards hold consecutive rows, at most ``shard_rows`` (R) of them and, with ``shard_tokens``, at most that many
+   tokens (:func:`~lightning_eagle.features.format.plan_shard_bounds`; a shard is held in host memory until
+   written). ``plan.json`` records what is dumped (target fingerprint, taps, data and vocab-map fingerprints, dtype,
+   pre/post-norm); a folder holding another plan is refused.
 2. **Resume**: shards with a verified checksum are skipped; rank ``r`` of ``W`` dumps the missing shards
    ``k ≡ r (mod W)``. Ranks run the same number of forwards (padding batches, never written), because under
    expert parallelism every forward is collective.
 3. **Disk**: the estimate (tokens × bytes per token) is printed and the run is refused if the filesystem lacks it.
 4. **Forward**: :class:`FeatureDumper` (``predict_step``) captures the aux taps and the final hidden (pre- or
-   post-norm) with autocast off; :class:`FeatureShardWriter` collects each shard's rows and writes the shard
-   atomically, then its sidecar.
+   post-norm) with autocast off, optionally through the token-chunked target forward (``target_token_chunk``: memory
+   linear in T, the same features); a shard's rows are batched longest first, so a batch pads its rows only to
+   lengths that are close. :class:`FeatureShardWriter` copies each row into its shard's buffer (allocated once, in the
+   storage dtype: the host holds exactly the shard's bytes) and writes the shard atomically, then its sidecar.
 5. **Manifest**: rank 0 writes ``manifest.json`` (plan + shards + totals) once every shard is complete.
 """
 
 from __future__ import annotations
 
-import math
 import shutil
 import time
 import warnings
@@ -33,8 +36,10 @@ from typing_extensions import override
 from lightning_eagle.atomic import remove_partials
 from lightning_eagle.data.dataset import collate_chat_rows
 from lightning_eagle.features import format as fmt
+from lightning_eagle.k3.model import set_token_chunk
 from lightning_eagle.k3.target_spec import TargetSpec
 from lightning_eagle.parallel.frozen_target import load_frozen_target
+from lightning_eagle.settings import check_settings
 
 
 class _RankSampler(DistributedSampler):
@@ -100,25 +105,42 @@ class FeatureDumper(pl.LightningModule):
     """The frozen target (any supported layout) whose ``predict_step`` returns each row's features, unpadded.
 
     Built from the run's :class:`~lightning_eagle.k3.target_spec.TargetSpec` (an ``Eagle3Module``'s ``target_spec``:
-    its checkpoint, taps, stream and dtypes) and the data module whose rows are dumped.
+    its checkpoint, taps, stream and dtypes) and the data module whose rows are dumped. ``shard_rows`` /
+    ``shard_tokens``: a shard's row / token budget (None: rows only). ``target_token_chunk``: the target forward in
+    token segments of this many tokens (as ``Eagle3Module``'s setting; None: unchunked).
     """
 
     def __init__(
-        self, target_spec: TargetSpec, datamodule, out_dir: Path, *, dtype: str, hidden_states: str, shard_rows: int
+        self,
+        target_spec: TargetSpec,
+        datamodule,
+        out_dir: Path,
+        *,
+        dtype: str,
+        hidden_states: str,
+        shard_rows: int,
+        shard_tokens: int | None = None,
+        target_token_chunk: int | None = None,
     ):
         super().__init__()
         if hidden_states not in fmt.HIDDEN_KINDS:
             raise ValueError(f"hidden_states must be one of {fmt.HIDDEN_KINDS}, got {hidden_states!r}")
         if dtype not in fmt.DTYPES:
             raise ValueError(f"dump dtype must be one of {sorted(fmt.DTYPES)}, got {dtype!r}")
-        if shard_rows < 1:
-            raise ValueError(f"shard_rows must be positive, got {shard_rows}")
+        optional = {"shard_tokens": shard_tokens, "target_token_chunk": target_token_chunk}
+        check_settings("dump", {
+            "shard_rows": (shard_rows, "positive", int),
+            **{name: (value, "positive", int) for name, value in optional.items() if value is not None},
+        })  # fmt: skip
         self.target_spec = target_spec
         self.data, self.out_dir = datamodule, Path(out_dir)
-        self.dtype_name, self.hidden_kind, self.shard_rows = dtype, hidden_states, shard_rows
+        self.dtype_name, self.hidden_kind, self.shard_rows = dtype, hidden_states, int(shard_rows)
+        self.shard_tokens = None if shard_tokens is None else int(shard_tokens)
+        self.target_token_chunk = None if target_token_chunk is None else int(target_token_chunk)
         self.target = None
         self.rows = _DumpRows(None, None)
         self.row_lengths: list[int] = []
+        self.bounds: list[int] = [0, 0]  # shard k holds rows [bounds[k], bounds[k+1])
         self.plan: dict[str, Any] = {}
         self.written_names: set[str] = set()  # shards this process wrote (the writer adds them)
 
@@ -142,7 +164,7 @@ class FeatureDumper(pl.LightningModule):
             fmt.write_json(self.out_dir / fmt.PROMPTS_NAME, {"prompts": prompts_from_datamodule(self.data)})
         strategy.barrier("dump-plan")
         old = fmt.read_json(plan_path)
-        for key in (*fmt.IDENTITY_FIELDS, "shard_rows", "rows"):
+        for key in (*fmt.IDENTITY_FIELDS, "shard_rows", "shard_tokens", "rows"):
             if old.get(key) != self.plan.get(key):
                 raise ValueError(
                     f"{self.out_dir} holds a dump of other features ({key}: {old.get(key)!r} there, "
@@ -159,6 +181,7 @@ class FeatureDumper(pl.LightningModule):
         tokens = sum(self.row_lengths)
         hidden, aux_ids = self.target_spec.config.hidden_size, list(self.target_spec.aux_layer_ids)
         mapping = data.vocab_mapping
+        self.bounds = fmt.plan_shard_bounds(self.row_lengths, self.shard_rows, self.shard_tokens)
         plan = {
             "format": fmt.FORMAT,
             "target": fmt.target_fingerprint(self.target_spec),
@@ -179,15 +202,22 @@ class FeatureDumper(pl.LightningModule):
             },  # fmt: skip
             "vocab_map": {"fingerprint": mapping.fingerprint, "draft_vocab_size": int(mapping.selected.numel())},
             "shard_rows": self.shard_rows,
+            **({} if self.shard_tokens is None else {"shard_tokens": self.shard_tokens}),  # older plans have none
             "rows": {"train": train_count, "val": val_count},
             "tokens": tokens,
             "bytes_per_token": fmt.bytes_per_token(hidden, len(aux_ids), self.dtype_name),
-            "num_shards": max(1, math.ceil(len(self.rows) / self.shard_rows)),
+            "num_shards": len(self.bounds) - 1,
         }
         return plan
 
     def shard_rows_of(self, shard: int) -> list[int]:
-        return list(range(shard * self.shard_rows, min((shard + 1) * self.shard_rows, len(self.rows))))
+        return list(range(self.bounds[shard], self.bounds[shard + 1]))
+
+    def shard_batches(self, shard: int) -> list[list[int]]:
+        """The batches of shard ``shard``: its rows longest first (stable), ``batch_size`` at a time, so a short row is
+        never padded to a long one's length (a dump of mixed 1K-64K rows would otherwise run mostly padding)."""
+        rows = sorted(self.shard_rows_of(shard), key=lambda r: -self.row_lengths[r])
+        return _chunks(rows, self.data.batch_size)
 
     def pending_shards(self) -> list[int]:
         """This rank's shards without a complete, checksum-verified file."""
@@ -202,13 +232,14 @@ class FeatureDumper(pl.LightningModule):
         shard_tokens = [sum(self.row_lengths[r] for r in self.shard_rows_of(k)) for k in pending]
         need = sum(shard_tokens) * self.plan["bytes_per_token"]
         free = shutil.disk_usage(self.out_dir).free
-        # a shard's rows are collected in host memory until it is written: with long rows, lower --shard-rows
+        # a shard's rows are collected in host memory until it is written: --shard-tokens bounds that for long rows
         largest = max(shard_tokens, default=0) * self.plan["bytes_per_token"]
         rank_zero_info(
             f"dump: {self.plan['tokens']} tokens in {len(self.rows)} rows, {self.plan['bytes_per_token']} bytes/token "
             f"({self.dtype_name}) = {self.plan['tokens'] * self.plan['bytes_per_token'] / 1e9:.3f} GB in all; "
             f"this rank writes {need / 1e9:.3f} GB to {self.out_dir} ({free / 1e9:.1f} GB free); its largest shard "
-            f"is held in host memory until written: {largest / 1e9:.3f} GB (--shard-rows {self.shard_rows})"
+            f"is held in host memory until written: {largest / 1e9:.3f} GB (--shard-rows {self.shard_rows}, "
+            f"--shard-tokens {self.shard_tokens})"
         )
         if need > free:
             raise OSError(
@@ -220,7 +251,7 @@ class FeatureDumper(pl.LightningModule):
     def predict_dataloader(self) -> DataLoader:
         pending = self.pending_shards()
         self.check_disk(pending)
-        plan = [(k, chunk) for k in pending for chunk in _chunks(self.shard_rows_of(k), self.data.batch_size)]
+        plan = [(k, chunk) for k in pending for chunk in self.shard_batches(k)]
         count = torch.tensor(len(plan))
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank runs as many (collective) forwards
@@ -233,7 +264,7 @@ class FeatureDumper(pl.LightningModule):
     @override
     def configure_model(self) -> None:
         if self.target is None:
-            self.target = load_frozen_target(self, self.target_spec)
+            self.target = set_token_chunk(load_frozen_target(self, self.target_spec), self.target_token_chunk)
 
     @override
     def on_predict_start(self) -> None:
@@ -264,41 +295,42 @@ class FeatureDumper(pl.LightningModule):
             return None
         aux, final = cap.aux_hidden_states, cap.final_prenorm if prenorm else cap.final_hidden
         lengths = batch["attention_mask"].sum(-1).tolist()
+        # views on the device: the writer copies each row (cast to the storage dtype) straight into its shard's buffer
         return {
             "shard": int(batch["shard"]),
             "row_ids": batch["row_ids"].tolist(),
             "rows": [
-                (batch["input_ids"][i, :n].cpu(), batch["loss_mask"][i, :n].cpu(), aux[i, :n].cpu(), final[i, :n].cpu())
+                (batch["input_ids"][i, :n], batch["loss_mask"][i, :n], aux[i, :n], final[i, :n])
                 for i, n in enumerate(lengths)
             ],
         }
 
 
 class FeatureShardWriter(BasePredictionWriter):
-    """Collects the rows of each shard from ``predict_step`` and writes the shard once it has all of them."""
+    """Copies the rows of each shard from ``predict_step`` into the shard's buffer
+    (:class:`~lightning_eagle.features.format.ShardBuffer`: row order whatever order the batches came in) and writes
+    the shard once it has all of them."""
 
     def __init__(self, dumper: FeatureDumper) -> None:
         super().__init__(write_interval="batch")
         self.dumper = dumper
-        self.pending: dict[int, fmt.ShardRows] = {}
+        self.pending: dict[int, fmt.ShardBuffer] = {}
 
     @override
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
         if prediction is None:
             return
-        shard = prediction["shard"]
-        rows = self.pending.setdefault(shard, fmt.ShardRows([], [], [], [], []))
-        for row_id, (ids, mask, aux, final) in zip(prediction["row_ids"], prediction["rows"]):
-            rows.row_ids.append(row_id)
-            rows.input_ids.append(ids)
-            rows.loss_mask.append(mask)
-            rows.aux_hidden_states.append(aux)
-            rows.hidden_states.append(final)
-        if len(rows.row_ids) == len(self.dumper.shard_rows_of(shard)):
-            info = fmt.write_shard(
-                self.dumper.out_dir, shard, self.pending.pop(shard), fmt.DTYPES[self.dumper.dtype_name]
-            )
-            self.dumper.written_names.add(info["shard"])
+        shard, dumper = prediction["shard"], self.dumper
+        if shard not in self.pending:
+            rows = dumper.shard_rows_of(shard)
+            lengths = [dumper.row_lengths[r] for r in rows]
+            self.pending[shard] = fmt.ShardBuffer(rows, lengths, fmt.DTYPES[dumper.dtype_name])
+        buffer = self.pending[shard]
+        for row_id, row in zip(prediction["row_ids"], prediction["rows"]):
+            buffer.put(row_id, *row)
+        if buffer.complete:
+            info = fmt.write_shard(dumper.out_dir, shard, self.pending.pop(shard), fmt.DTYPES[dumper.dtype_name])
+            dumper.written_names.add(info["shard"])
 
 
 def write_manifest(dumper: FeatureDumper) -> dict[str, Any]:
@@ -319,13 +351,16 @@ def _chunks(items: list[int], size: int) -> list[list[int]]:
 
 
 def dump_features(target_spec: TargetSpec, datamodule, out_dir, trainer: pl.Trainer, *, dtype: str = "bfloat16",
-                  hidden_states: str = "prenorm", shard_rows: int = 256) -> Path:  # fmt: skip
+                  hidden_states: str = "prenorm", shard_rows: int = 256, shard_tokens: int | None = None,
+                  target_token_chunk: int | None = None) -> Path:  # fmt: skip
     """Dump ``datamodule``'s rows through the target ``target_spec`` names (e.g. ``Eagle3Module(...).target_spec``)
-    with ``trainer``'s layout; what ``cli.py dump`` runs. Returns the features folder (``manifest.json`` written)."""
+    with ``trainer``'s layout; what ``cli.py dump`` runs. Returns the features folder (``manifest.json`` written).
+    ``shard_rows`` / ``shard_tokens`` and ``target_token_chunk``: see :class:`FeatureDumper`."""
     if not isinstance(target_spec, TargetSpec):
         raise TypeError(f"dump_features takes a TargetSpec (e.g. module.target_spec), got {type(target_spec).__name__}")
     dumper = FeatureDumper(target_spec, datamodule, Path(out_dir), dtype=dtype, hidden_states=hidden_states,
-                           shard_rows=shard_rows)  # fmt: skip
+                           shard_rows=shard_rows, shard_tokens=shard_tokens,
+                           target_token_chunk=target_token_chunk)  # fmt: skip
     trainer.callbacks.append(FeatureShardWriter(dumper))
     with warnings.catch_warnings():  # our batches carry their own row ids; Lightning's index tracking does not apply
         warnings.filterwarnings("ignore", message="Couldn't infer the batch indices")

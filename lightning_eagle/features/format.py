@@ -7,7 +7,7 @@
       plan.json                  what is being dumped (target, taps, data, vocab map, rows): written first
       vocab_map.safetensors      the data module's d2t / t2d (the offline run trains with exactly this map)
       prompts.json               the validation rows' prompts the online run decodes for val/tau_real
-      shard-00000.safetensors    rows [0, R) : tokens concatenated, ``offsets [rows+1]`` delimit the rows
+      shard-00000.safetensors    rows [0, R_0) : tokens concatenated, ``offsets [rows+1]`` delimit the rows
       shard-00000.json           its row count, token count and sha256 (written after the shard: "complete")
       …
       manifest.json              plan + the shard list + totals: written last, once every shard is complete
@@ -15,7 +15,9 @@
 A shard holds ``input_ids`` (int32) and ``loss_mask`` (uint8) — *unshifted*, as the data module produced them —
 ``aux_hidden_states [tokens, 3H]`` and ``hidden_states [tokens, H]`` (the final hidden **before** the final norm by
 default; the manifest's ``hidden_states`` says ``"prenorm"`` or ``"postnorm"``), plus ``offsets`` and ``row_ids``
-(global row numbers). Rows ``[0, train_rows)`` are the online run's training split in its order, then its
+(global row numbers). Shard ``k`` holds the rows that follow shard ``k-1``'s: at most ``shard_rows`` rows and, with
+``shard_tokens``, at most that many tokens (a longer row is a shard of its own); the sidecars' ``rows`` say how many
+(:func:`shard_bounds`). Rows ``[0, train_rows)`` are the online run's training split in its order, then its
 validation rows, so the offline run splits, shuffles and batches exactly like the online one.
 """
 
@@ -44,6 +46,29 @@ IDENTITY_FIELDS = ("format", "target", "aux_layer_ids", "aux_stream", "hidden_st
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
+
+
+def plan_shard_bounds(lengths: list[int], shard_rows: int, shard_tokens: int | None = None) -> list[int]:
+    """Row boundaries ``[0, b_1, …, n]`` of the shards of rows with token counts ``lengths``: consecutive rows, a new
+    shard when ``shard_rows`` rows or (with ``shard_tokens``) that many tokens would be exceeded. A shard is collected
+    in host memory before it is written, so the token budget bounds the dump's host memory whatever the row lengths."""
+    bounds, rows, tokens = [0], 0, 0
+    for i, n in enumerate(lengths):
+        if rows and (rows == shard_rows or (shard_tokens is not None and tokens + n > shard_tokens)):
+            bounds.append(i)
+            rows, tokens = 0, 0
+        rows, tokens = rows + 1, tokens + n
+    if len(lengths):
+        bounds.append(len(lengths))
+    return bounds if len(bounds) > 1 else [0, 0]  # no rows: one empty shard, as before
+
+
+def shard_bounds(manifest: dict[str, Any]) -> list[int]:
+    """Row boundaries ``[0, b_1, …, n]`` of a finished dump's shards, from the manifest's per-shard row counts."""
+    bounds = [0]
+    for shard in manifest["shards"]:
+        bounds.append(bounds[-1] + int(shard["rows"]))
+    return bounds
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
@@ -88,21 +113,67 @@ class ShardRows:
     row_ids: list[int]
 
 
-def write_shard(folder: Path, index: int, rows: ShardRows, dtype: torch.dtype) -> dict[str, Any]:
+_ROW_FIELDS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
+
+
+class ShardBuffer:
+    """One shard being collected: its tensors allocated once at their final size (the rows' token counts are known
+    from the plan), each row copied in at its offset as it arrives, in any order and from any device. Host memory is
+    then exactly the shard's bytes on disk: no per-row copies, no concatenation when it is written."""
+
+    def __init__(self, row_ids: list[int], lengths: list[int], dtype: torch.dtype) -> None:
+        self.row_ids, self.dtype = list(row_ids), dtype
+        self.index = {r: i for i, r in enumerate(self.row_ids)}
+        counts = torch.tensor(lengths, dtype=torch.int64)
+        self.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+        self.filled = [False] * len(self.row_ids)
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def put(self, row_id: int, *row: torch.Tensor) -> None:
+        """Copy row ``row_id``'s ``input_ids [n]``, ``loss_mask [n]``, ``aux_hidden_states [n,3H]`` and
+        ``hidden_states [n,H]`` (cast to the storage dtypes) into place."""
+        i = self.index[row_id]
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        if row[0].shape[0] != b - a:
+            raise RuntimeError(f"row {row_id} has {row[0].shape[0]} tokens, the dump's plan counted {b - a}")
+        if not self.tensors:
+            n = int(self.offsets[-1])
+            self.tensors = {
+                "input_ids": torch.empty(n, dtype=torch.int32),
+                "loss_mask": torch.empty(n, dtype=torch.uint8),
+                "aux_hidden_states": torch.empty(n, row[2].shape[-1], dtype=self.dtype),
+                "hidden_states": torch.empty(n, row[3].shape[-1], dtype=self.dtype),
+            }
+        for name, value in zip(_ROW_FIELDS, row):
+            self.tensors[name][a:b].copy_(value)
+        self.filled[i] = True
+
+    @property
+    def complete(self) -> bool:
+        return all(self.filled)
+
+
+def write_shard(folder: Path, index: int, rows: ShardRows | ShardBuffer, dtype: torch.dtype) -> dict[str, Any]:
     """Write one shard atomically, then its sidecar (the shard is complete only once the sidecar exists)."""
-    lengths = torch.tensor([t.numel() for t in rows.input_ids], dtype=torch.int64)
-    tensors = {
-        "input_ids": torch.cat(rows.input_ids).to(torch.int32),
-        "loss_mask": torch.cat(rows.loss_mask).to(torch.uint8),
-        "aux_hidden_states": torch.cat(rows.aux_hidden_states).to(dtype).contiguous(),
-        "hidden_states": torch.cat(rows.hidden_states).to(dtype).contiguous(),
-        "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
-        "row_ids": torch.tensor(rows.row_ids, dtype=torch.int64),
-    }
+    if isinstance(rows, ShardBuffer):
+        if not rows.complete:
+            raise RuntimeError(f"shard {index} is written before all its rows arrived")
+        tensors = {**rows.tensors, "offsets": rows.offsets}
+    else:
+        lengths = torch.tensor([t.numel() for t in rows.input_ids], dtype=torch.int64)
+        tensors = {
+            "input_ids": torch.cat(rows.input_ids).to(torch.int32),
+            "loss_mask": torch.cat(rows.loss_mask).to(torch.uint8),
+            "aux_hidden_states": torch.cat(rows.aux_hidden_states).to(dtype).contiguous(),
+            "hidden_states": torch.cat(rows.hidden_states).to(dtype).contiguous(),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        }
+    tensors["row_ids"] = torch.tensor(rows.row_ids, dtype=torch.int64)
     path = folder / shard_name(index)
     with atomic_file(path) as tmp:
         save_file(tensors, str(tmp), metadata={"format": FORMAT})
-    info = {"shard": path.name, "rows": len(rows.row_ids), "tokens": int(lengths.sum()), "sha256": sha256_file(path)}
+    info = {"shard": path.name, "rows": len(rows.row_ids), "tokens": int(tensors["offsets"][-1]),
+            "sha256": sha256_file(path)}  # fmt: skip
     write_json(path.with_suffix(".json"), info)
     return info
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from lightning_eagle.data.prompts import prompts_from_datamodule, resolve_prompts
+from lightning_eagle.data.prompts import resolve_prompts
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from lightning_eagle.inference.plain import plain_generate
 from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS, VerificationRounds, speculative_generate
@@ -179,16 +179,7 @@ def capped_prompts(
     """The first ``num_prompts`` prompts of ``data`` (as :func:`~lightning_eagle.data.prompts.resolve_prompts`) of at
     most ``max_prompt_tokens`` tokens. A ``ChatDataModule`` applies its own ``max_length`` when the cap is None."""
     check_max_prompt_tokens(max_prompt_tokens)
-    if hasattr(data, "val_dataset") and hasattr(data, "tokenizer"):
-        return prompts_from_datamodule(data, num_prompts, max_prompt_tokens)
-    prompts = resolve_prompts(data, tokenizer, num_prompts, render_options)
-    if max_prompt_tokens is None:
-        return prompts[:num_prompts]
-    kept = [p for p in prompts if len(p) <= max_prompt_tokens]
-    if num_prompts is not None and len(kept) < num_prompts <= len(prompts):
-        # The source stopped at num_prompts before the cap dropped some: read all of it, then take the first ones.
-        kept = [p for p in resolve_prompts(data, tokenizer, None, render_options) if len(p) <= max_prompt_tokens]
-    return kept[:num_prompts]
+    return resolve_prompts(data, tokenizer, num_prompts, render_options, max_prompt_tokens)
 
 
 @torch.no_grad()

@@ -25,9 +25,8 @@ from torch import nn
 
 from lightning_eagle.backends import BackendRegistry
 from lightning_eagle.draft.model import KimiK3Eagle3Draft
+from lightning_eagle.settings import DEFAULT_LOSS_CHUNK
 from lightning_eagle.training.teacher import ChunkedTeacher
-
-DEFAULT_LOSS_CHUNK = 2048
 
 
 def default_loss_backend(device) -> str:

@@ -5,14 +5,17 @@
 * the whole TTT unroll with either block kernel == eager (loss, every step's output, every draft gradient; B = 2 with
   padding, K = 3, padding rows included);
 * a TTT unroll at T = 1024 allocates no tensor of ``T²`` elements (forward and backward) with ``flash_lse``, while
-  the eager twin does (so the check can fail).
+  the eager twin does (so the check can fail);
+* the diagonal columns run per chunk of slots: == eager forward and backward in fp64 for every chunk (1, one not
+  dividing T, ≥ T), k = 0..3 and padded rows; no ``[k,B,n,T,d]`` stack of the later steps exists in the forward or
+  backward (one chunk covering T does build it, so the check can fail); the saved tensors are the unchunked ones.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_draft_ttt_attention import assert_same, make_inputs, run
+from test_draft_ttt_attention import assert_same, make_inputs, run, saved_shapes
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_eagle.draft import TTTCache
@@ -98,9 +101,11 @@ def test_right_padding_builds_no_mask_tensor(kernel):
 
 
 @KERNELS
-def test_unrolled_ttt_loss_matches_eager_with_padding(make_draft, make_batch, monkeypatch, kernel):
+@pytest.mark.parametrize("diagonal_chunk", [tta.DEFAULT_DIAGONAL_CHUNK, 3], ids=["one-chunk", "chunk-3"])
+def test_unrolled_ttt_loss_matches_eager_with_padding(make_draft, make_batch, monkeypatch, kernel, diagonal_chunk):
     """K = 3, B = 2 with 3 padding slots: loss, each step's output (padding rows too) and every draft gradient."""
     monkeypatch.setattr(tta, "default_kernel", lambda q: kernel)
+    monkeypatch.setattr(tta, "DEFAULT_DIAGONAL_CHUNK", diagonal_chunk)  # read at call time; 3 does not divide T = 10
     draft = make_draft(dtype=torch.float64)
     batch = {k: v.double() if v.is_floating_point() else v for k, v in make_batch(draft.config, T=10).items()}
     results = []
@@ -178,3 +183,69 @@ def test_no_t_by_t_tensor_in_a_long_unroll(make_draft, make_batch, monkeypatch, 
     if kernel is None and kv_cache == "expanded":
         draft.attention_backend = "eager"
         assert largest_in_unroll(draft, batch).largest >= T * T
+
+
+@KERNELS
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64], ids=["chunk-1", "chunk-3", "chunk-T", "chunk-over-T"])
+@pytest.mark.parametrize("steps", [0, 1, 2, 3])
+@pytest.mark.parametrize("padding", [None, "right", "left"])
+def test_slot_chunked_diagonal_matches_eager(kernel, chunk, steps, padding):
+    """T = 7 in chunks of 1, 3 (last chunk partial), 7 and 64 slots: output and the gradients of q and every cached
+    K/V equal the eager twin's in fp64, padding rows included (right padding: CausalBlock; left: additive mask)."""
+    mask = None if padding is None else masks_of()[padding]
+    inputs = make_inputs(steps)
+
+    def flash(q, cache, scale):
+        return flash_lse_ttt_attention(q, cache, scale, kernel=kernel, chunk=chunk)
+
+    assert_same(run(flash, *inputs, mask), run(eager_ttt_attention, *inputs, mask), 1e-12)
+
+
+def attention_largest(chunk: int, steps: int, T: int) -> LargestAllocation:
+    """The largest storage of one flash_lse call (forward + backward) over ``steps`` later steps (B=1, n=2)."""
+    q, keys, values = long_inputs(steps, T)
+    cache = TTTCache()
+    cache.bind_mask(torch.ones(1, T, dtype=torch.long))
+    for k, v in zip(keys, values):
+        cache.append(k, v)
+    with LargestAllocation() as mode:
+        flash_lse_ttt_attention(q, cache, 0.3, kernel=CpuFlashKernel(), chunk=chunk).sum().backward()
+    return mode
+
+
+def long_inputs(steps, T, n=2, d_qk=24, d_v=16):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, n, T, d_qk, generator=g, dtype=torch.float64).requires_grad_()
+    keys = [torch.randn(1, n, T, d_qk, generator=g, dtype=torch.float64).requires_grad_() for _ in range(steps + 1)]
+    values = [torch.randn(1, n, T, d_v, generator=g, dtype=torch.float64).requires_grad_() for _ in range(steps + 1)]
+    return q, keys, values
+
+
+def test_no_stack_of_the_later_steps_in_forward_or_backward():
+    """k = 3, T = 64, chunk 16: the largest tensor is one per-step [B,n,T,·] (the kernel's padded q/k/v/grads), below
+    the [k,B,n,T,d_qk] stack the unchunked diagonal builds — which one chunk of 64 slots does build."""
+    steps, T, n, d_qk = 3, 64, 2, 24
+    per_step = n * T * d_qk  # B = 1
+    chunked = attention_largest(16, steps, T)
+    assert chunked.largest <= per_step, (chunked.largest, chunked.op)
+    whole = attention_largest(T, steps, T)
+    assert whole.largest >= steps * per_step, (whole.largest, whole.op)
+
+
+def test_chunking_saves_the_same_tensors():
+    """What the attention saves for backward does not depend on the chunk: q, K_0, V_0, the output, the LSE and each
+    later step's K/V as they are (nothing O(k·T) added by the chunking)."""
+    T_ = 64
+    want = sorted([(1, 2, T_, 24)] * 5 + [(1, 2, T_, 16)] * 5 + [(1, 2, T_)])  # q, K_0..3 | V_0..3, out | lse
+    for chunk in (1, 5, 64):
+        shapes = saved_shapes(lambda q, c, s, chunk=chunk: flash_lse_ttt_attention(q, c, s, chunk=chunk), 3, T_)
+        assert sorted(shapes) == want, chunk
+
+
+def test_a_non_positive_chunk_is_refused():
+    q, keys, values, _ = make_inputs(1)
+    cache = TTTCache()
+    for k, v in zip(keys, values):
+        cache.append(k, v)
+    with pytest.raises(ValueError, match="flash_lse diagonal chunk must be a positive number of slots, got chunk=0"):
+        flash_lse_ttt_attention(q, cache, 0.3, chunk=0)

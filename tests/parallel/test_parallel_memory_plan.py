@@ -37,7 +37,6 @@ from lightning_eagle.commands.memory_plan import main as memory_plan_main
 from lightning_eagle.commands.memory_plan import run_config_from_yaml
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
 from lightning_eagle.k3 import config_from_name
-from lightning_eagle.parallel.memory import SkipInit
 from lightning_eagle.parallel.memory_plan import PlanInputs, build_plan
 from lightning_eagle.parallel.memory_plan.draft_backward import unroll_peak
 from lightning_eagle.parallel.memory_plan.draft_forward import DraftDims, unroll_shared_saved
@@ -214,32 +213,6 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def census(inputs: PlanInputs) -> tuple[int, int]:
-    """(bytes kept after the unroll's forward, peak during forward + backward) of the real ``ttt_loss`` on meta, in the
-    steady state of gradient accumulation (``.grad`` already allocated; not counted, like the inputs)."""
-    from lightning_eagle.training.teacher import Teacher
-    from lightning_eagle.training.ttt import checkpointed_draft_step, draft_step, ttt_loss
-
-    with torch.device("meta"), SkipInit():
-        draft = KimiK3Eagle3Draft(inputs.draft, attention_backend=inputs.attention_backend).to(inputs.draft_dtype)
-        for p in draft.parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        B, T, N_d = inputs.batch_size, inputs.seq_len, inputs.draft.draft_vocab_size
-        ids, ones = torch.zeros(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.long)
-        aux = torch.zeros(B, T, 3 * inputs.target.hidden_size, dtype=inputs.target_dtype)
-        teacher = Teacher(torch.zeros(B, T, N_d), torch.zeros(B, T, dtype=torch.bool), ids)
-    existing = [*draft.parameters(), *draft.buffers(), *(p.grad for p in draft.parameters() if p.grad is not None)]
-    existing += [ids, ones, aux, teacher.probs, teacher.pos]
-    mode = LiveBytes({t.untyped_storage()._cdata for t in existing})
-    step = checkpointed_draft_step if inputs.activation_checkpointing else draft_step
-    with mode:
-        out = ttt_loss(draft, ids, ones, ids, aux, teacher=teacher, ttt_steps=inputs.ttt_steps, draft_step_fn=step)
-        kept = mode.live()
-        out.loss.backward()
-    return kept, mode.peak
-
-
 def k3_inputs(**changes) -> PlanInputs:
     target = config_from_name("k3")
     draft = Eagle3DraftConfig.from_target_config(target, draft_vocab_size=32000)
@@ -255,12 +228,16 @@ def k3_inputs(**changes) -> PlanInputs:
     ],
 )
 def test_unroll_terms_match_the_census_of_the_real_unroll(inputs):
+    # the census that answers the unroll's host reads on meta (the CausalBlock padding check); the module-level
+    # import would be circular: that file reuses this one's LiveBytes
+    from test_parallel_memory_plan_unroll import unroll_census
+
     inputs = inputs()
-    kept, peak = census(inputs)
+    kept, peak = unroll_census(inputs)
     d = DraftDims.of(inputs)
     shared = unroll_shared_saved(d, inputs.target_dtype, inputs.draft_dtype)
     planned = unroll_peak(d, inputs.activation_checkpointing, shared, draft_shapes(inputs.draft))
-    assert planned.kept_after_forward == pytest.approx(kept, rel=0.005)  # flash_lse: exact; eager: within 0.5 %
+    assert planned.kept_after_forward == pytest.approx(kept, rel=0.001)  # exact but for [B,T] bookkeeping
     assert planned.peak == pytest.approx(peak, rel=0.03)
 
 

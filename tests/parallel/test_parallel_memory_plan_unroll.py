@@ -18,6 +18,7 @@ every slot, the plan's worst case).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import replace
 
 import pytest
@@ -229,6 +230,163 @@ def test_sequence_parallel_adds_the_exchanges_and_shrinks_the_rest():
 
 
 def test_latent_cache_with_sequence_parallelism_is_refused():
-    inputs = k3_inputs(seq_len=4096, world=8, ep=8, draft_sp=2, ttt_kv_cache="latent")
-    with pytest.raises(ValueError, match="ttt_kv_cache='latent' needs draft_sequence_parallel_size=1"):
-        DraftDims.of(inputs)
+    with pytest.raises(ValueError, match="ttt_kv_cache='latent' with draft_sequence_parallel_size=2"):
+        k3_inputs(seq_len=4096, world=8, ep=8, draft_sp=2, ttt_kv_cache="latent")
+
+
+def attention_call_census(d: DraftDims, k: int) -> tuple[int, int]:
+    """(forward peak, backward peak) of one expanded ``flash_lse`` call at step ``k`` on meta, with ``d``'s
+    attention shapes (``[B,n/sp,T_keys,·]``): everything it creates, its saved output and LSE included."""
+    from lightning_eagle.draft import TTTCache
+    from lightning_eagle.draft.ttt_attention import flash_lse_ttt_attention
+
+    dtype = torch.float32 if d.fp32 else torch.bfloat16
+    shape = (d.B, d.n // d.sp, d.T_keys)
+    with torch.device("meta"):
+        q = torch.zeros(*shape, d.d_qk, dtype=dtype, requires_grad=True)
+        keys = [torch.zeros(*shape, d.d_qk, dtype=dtype, requires_grad=True) for _ in range(k + 1)]
+        values = [torch.zeros(*shape, d.d_v, dtype=dtype, requires_grad=True) for _ in range(k + 1)]
+        grad = torch.zeros(*shape, d.d_v, dtype=dtype)
+    cache = TTTCache()
+    for key, value in zip(keys, values):
+        cache.append(key, value)
+    mode = LiveBytes({t.untyped_storage()._cdata for t in (q, *keys, *values, grad)})
+    with mode:
+        out = flash_lse_ttt_attention(q, cache, 0.1)
+        forward, mode.peak = mode.peak, 0
+        torch.autograd.grad(out, [q, *keys, *values], grad)
+    return forward, mode.peak
+
+
+ATTENTION_CASES = [
+    pytest.param(dict(seq_len=512), 0, id="k0"),
+    pytest.param(dict(seq_len=512), 6, id="k6-one-chunk"),
+    pytest.param(dict(seq_len=2048), 3, id="k3-four-chunks"),
+    pytest.param(dict(seq_len=512, draft_dtype=torch.float32), 6, id="fp32-k6"),
+    pytest.param(dict(seq_len=2048, world=8, ep=8, draft_sp=8), 6, id="sp8-k6"),
+]
+
+
+@pytest.mark.parametrize("chunk", [None, 100], ids=["default-chunk", "chunk-100"])
+@pytest.mark.parametrize(("changes", "k"), ATTENTION_CASES)
+def test_flash_lse_working_sets_match_a_census_of_one_call(monkeypatch, changes, k, chunk):
+    """The expanded flash_lse call at the real K3 widths, by itself: its forward peak is
+    :func:`attention_forward_ws`, its backward peak the saved output/LSE plus :func:`attention_backward_ws` (the
+    slot-chunked diagonal dominates at T = 512, k = 6; the block kernel elsewhere), within 2 %."""
+    from lightning_eagle.draft import ttt_attention as tta
+    from lightning_eagle.parallel.memory_plan.draft_backward import attention_backward_ws, attention_forward_ws
+
+    if chunk is not None:
+        monkeypatch.setattr(tta, "DEFAULT_DIAGONAL_CHUNK", chunk)
+    d = DraftDims.of(replace(k3_inputs(**changes), device="cuda"))  # meta runs the chunked (CUDA) kernel
+    forward, backward = attention_call_census(d, k)
+    assert attention_forward_ws(d, k) == pytest.approx(forward, rel=0.02)
+    assert attention_core_saved(d, k) + attention_backward_ws(d, k) == pytest.approx(backward, rel=0.02)
+
+
+# ---- draft sequence parallelism, measured on real CPU tensors over 2 gloo ranks -------------------------------------
+SP_SPEC = {  # k3-tiny with 8 draft heads (4 per rank), fp32, flash_lse (the fused CPU kernel), T = 256 over sp = 2
+    **TINY, "target_overrides": {"num_attention_heads": 8, "num_key_value_heads": 8}, "N_d": 320, "B": 1, "T": 256,
+    "K": 3, "backend": "flash_lse",
+}  # fmt: skip
+
+
+def sp_inputs(**changes) -> PlanInputs:
+    return replace(plan_inputs(SP_SPEC), world=2, draft_sp=2, **changes)
+
+
+def _sp_census_rank(rank, world, inputs: PlanInputs) -> tuple[int, int]:
+    """(kept after the forward, peak) of this rank's ``ttt_loss(sequence_shard=...)`` under :class:`LiveBytes`, the
+    window teacher, inputs, parameters and ``.grad`` not counted (as :func:`unroll_census`)."""
+    from lightning_eagle.parallel.sequence_parallel import SequenceShard
+    from lightning_eagle.training.teacher import ChunkedTeacher, Teacher
+    from lightning_eagle.training.ttt import checkpointed_draft_step, draft_step, ttt_loss
+
+    torch.manual_seed(0)
+    B, T, K, N_d = inputs.batch_size, inputs.seq_len, inputs.ttt_steps, inputs.draft.draft_vocab_size
+    draft = KimiK3Eagle3Draft(inputs.draft, attention_backend=inputs.attention_backend).to(inputs.draft_dtype)
+    for p in draft.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    shard = SequenceShard.of_group(T)
+    window = shard.local_length + K - 1
+    ids = torch.randint(0, inputs.draft.vocab_size, (B, T))
+    ones = torch.ones(B, T, dtype=torch.long)
+    aux = torch.randn(B, T, 3 * inputs.target.hidden_size, dtype=inputs.target_dtype)
+    pos, top = torch.ones(B, window, dtype=torch.bool), torch.randint(0, N_d, (B, window))
+    if inputs.loss_backend == "chunked":  # the window's final hidden + the selected lm_head rows
+        H_t = inputs.target.hidden_size
+        teacher_tensors = [torch.randn(B, window, H_t), torch.randn(N_d, H_t) / 4]
+        teacher = ChunkedTeacher(top=top, pos=pos, draft_argmax=top, source=teacher_tensors[0], head=teacher_tensors[1])
+    else:
+        teacher_tensors = [torch.softmax(torch.randn(B, window, N_d), dim=-1)]
+        teacher = Teacher(teacher_tensors[0], pos, top)
+    existing = [*draft.parameters(), *draft.buffers(), *(p.grad for p in draft.parameters() if p.grad is not None)]
+    existing += [ids, ones, aux, pos, top, *teacher_tensors]
+    mode = LiveBytes({t.untyped_storage()._cdata for t in existing})
+    step = checkpointed_draft_step if inputs.activation_checkpointing else draft_step
+    with mode:
+        out = ttt_loss(
+            draft, ids, ones, ones, aux, teacher=teacher, ttt_steps=K, draft_step_fn=step,
+            loss_backend=inputs.loss_backend, loss_chunk=inputs.loss_chunk, sequence_shard=shard,
+        )  # fmt: skip
+        kept = mode.live()
+        out.loss.backward()
+    return kept, mode.peak
+
+
+def _xfail(reason: str):
+    return pytest.mark.xfail(strict=True, reason=reason)
+
+
+SP_CASES = {
+    "sp2-flash": lambda: sp_inputs(),
+    "sp2-flash-ckpt": lambda: sp_inputs(activation_checkpointing=True),
+    "sp2-flash-chunked": lambda: sp_inputs(loss_backend="chunked", loss_chunk=64),
+    "sp2-eager": lambda: sp_inputs(attention_backend="eager"),
+}
+
+
+@functools.cache
+def sp_census(case: str):
+    """The plan of SP case ``case`` and each rank's measured (kept, peak), measured once per session."""
+    from lightning_eagle.parallel.local_launch import launch_local
+
+    inputs = SP_CASES[case]()
+    return planned(inputs), launch_local(_sp_census_rank, 2, inputs)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "case",
+    [
+        "sp2-flash",
+        "sp2-flash-ckpt",
+        "sp2-flash-chunked",
+        pytest.param("sp2-eager", marks=_xfail("plan +1.9 %: eager's SP-saved probabilities/diagonal overcounted")),
+    ],
+)
+def test_sequence_parallel_kept_matches_a_census_of_two_ranks(case):
+    """Each rank's bytes kept after the forward under Ulysses (sp = 2, gloo, real CPU tensors, the fused CPU kernel)
+    against the plan's ``draft_sp=2`` unroll; 0.5 %: at T = 256 the unroll's unmodelled ``[B,T]`` bookkeeping is
+    ~0.3 % of a rank's few MB."""
+    plan, ranks = sp_census(case)
+    for rank, (kept, _) in enumerate(ranks):
+        assert plan.kept_after_forward == pytest.approx(kept, rel=5e-3), rank
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param("sp2-flash", marks=_xfail("plan −3.5 % at the diagonal backward of the last step")),
+        pytest.param("sp2-flash-ckpt", marks=_xfail("plan −12 % at the recomputed SiTU of step 1")),
+        "sp2-flash-chunked",
+        "sp2-eager",
+    ],
+)
+def test_sequence_parallel_peak_matches_a_census_of_two_ranks(case):
+    """Each rank's unroll peak (forward + backward) against the plan's, within the meta census's 3 %."""
+    plan, ranks = sp_census(case)
+    for rank, (_, peak) in enumerate(ranks):
+        assert plan.peak == pytest.approx(peak, rel=0.03), (rank, plan.where)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightning_eagle.draft import ttt_attention
 from lightning_eagle.draft.latent_attention import DEFAULT_DIAGONAL_CHUNK
 from lightning_eagle.parallel.memory_plan.draft_forward import (
     DraftDims,
@@ -69,35 +70,96 @@ def mlp_backward_ws(d: DraftDims) -> int:
     return (d.s + 2 * FP32) * d.BT * d.I
 
 
+def diagonal_chunk(d: DraftDims) -> int:
+    """Elements per head dimension of one slot chunk of the expanded ``flash_lse`` diagonal: ``B·(n/sp)·C`` with
+    ``C = min(DEFAULT_DIAGONAL_CHUNK, T_keys)`` (the attention runs on the rank's heads over every slot)."""
+    return d.B * (d.n // d.sp) * min(ttt_attention.DEFAULT_DIAGONAL_CHUNK, d.T_keys)
+
+
+def diagonal_backward_ws(d: DraftDims, k: int, returned: int) -> int:
+    """``_LSEMergedTTTAttention.backward``'s diagonal part (``draft/ttt_attention.py``), after the block kernel:
+    its returned ``dq, dK_0, dV_0`` (``returned``) and the later steps' gradients ``k·[B,n,T,d_qk+d_v]`` in the draft
+    dtype (allocated at once, filled chunk by chunk), plus one slot chunk's temporaries — the later K/V of the chunk
+    in fp32 ``k·[B,n,C,d_qk+d_v]`` (while V's draft-dtype stack is cast), the fp32 ``q``/``dO`` rows, the fp32
+    ``dq`` rows with the diagonal part and its scaled copy, the ``[B,n,C,k]`` probabilities and score gradients."""
+    c, f = diagonal_chunk(d), FP32
+    cast, copy32 = (0, 0) if d.fp32 else (d.s, FP32)
+    rows = k * c * (d.d_qk + d.d_v) * f + c * (d.d_qk + d.d_v) * copy32 + c * d.d_qk * (2 * f + copy32) + 2 * c * k * f
+    stacking = k * c * (d.d_qk * f + d.d_v * (cast + f))
+    return returned + k * d.BT * d.n * (d.d_qk + d.d_v) * d.s + max(rows, stacking)
+
+
 def attention_backward_ws(d: DraftDims, k: int) -> int:
     """Backward of step ``k``'s TTT attention (``_LSEMergedTTTAttention.backward`` / eager autograd).
 
     ``flash_lse``: the block kernel's backward — on CUDA the chunked kernel holds fp32 ``k, v`` copies, fp32
     ``dq, dk, dv`` and six fp32 ``[B,n,256,T]`` score tiles; the fused CPU kernel pads grad/q/k/v/out to one width
-    and returns padded grads — or the diagonal part after it: the stacked later-step K/V in fp32, their fp32
-    gradients and the casts back (``k·[B,n,T,d_qk+d_v]·(4+4+s)``), fp32 ``q``/``dO``, and the kernel's returned
-    grads. ``eager``: the gradients of the ``[B,n,T,T+k]`` probabilities (see below) and the stacked later-step K/V
-    gradients."""
+    and returns padded grads — or the slot-chunked diagonal part after it (:func:`diagonal_backward_ws`): no
+    ``[k,B,n,T,·]`` fp32 stack. ``eager``: the gradients of the ``[B,n,T,T+k]`` probabilities (see below) and the
+    stacked later-step K/V gradients."""
     BTn = d.BT * d.n
     if d.backend == "eager":
         # The two slices' zero-filled gradients and the block matmul's gradient (3 in the draft dtype), or later the
         # summed gradient with its fp32 copy and the fp32 softmax backward.
         probs = d.B * d.n * d.T * (d.T_keys + k)
         return probs * max(3 * d.s, d.s + 2 * FP32) + k * BTn * (d.d_qk + d.d_v) * d.s
-    if d.cpu:
-        kernel = 6 * BTn * max(d.d_qk, d.d_v) * d.s
-    else:
-        # Per 256-query chunk: the previous chunk's probs/dP/dS are still referenced while the next chunk's scores,
-        # scores − LSE and exp are formed: six fp32 [B,n,256,T] tiles (one chunk only: four).
-        tiles = (6 if d.T_keys > 256 else 4) * d.B * d.n * min(256, d.T_keys) * d.T * FP32
-        kernel = BTn * ((d.d_qk + d.d_v) * FP32 + (2 * d.d_qk + d.d_v) * FP32 + d.d_v * d.s) + tiles
+    kernel = 6 * BTn * max(d.d_qk, d.d_v) * d.s if d.cpu else chunked_kernel_backward_ws(d)
     if d.latent:
         return latent_attention_backward_ws(d, k, kernel)
     if k == 0:
         return kernel
-    returned = BTn * (2 * d.d_qk + d.d_v) * d.s
-    diagonal = k * BTn * (d.d_qk + d.d_v) * (2 * FP32 + d.s) + BTn * (d.d_qk + d.d_v) * FP32 + returned
-    return max(kernel, diagonal)
+    # The fused CPU kernel's grads are views of its padded [B,n,T,max(d_qk,d_v)] results.
+    returned = BTn * (3 * max(d.d_qk, d.d_v) if d.cpu else 2 * d.d_qk + d.d_v) * d.s
+    return max(kernel, diagonal_backward_ws(d, k, returned))
+
+
+def chunked_kernel_backward_ws(d: DraftDims) -> int:
+    """``ChunkedKernel.backward`` (``draft/block_attention.py``, the CUDA block kernel) on ``[B,n/sp,T_keys,·]``:
+    fp32 copies of ``k, v`` (not in fp32), fp32 ``dq, dk, dv`` and ``D``, then at the last 256-query chunk the masked
+    scores, ``S − lse`` and its exp (three fp32 ``[B,n,256,T]`` tiles) while the previous chunk's probabilities,
+    ``dP``, ``dS`` (``[B,n,256,T−256]``) and fp32 ``dO`` rows are still referenced — or the chunk's ``dK``
+    contribution and its scaled copy ``[B,n,T,d_qk]``; at the end the casts of the grads beside the fp32 ones."""
+    BTn, f = d.BT * d.n, FP32
+    copy32 = 0 if d.fp32 else FP32
+    Cq, heads = min(256, d.T_keys), d.n // d.sp
+    tile, previous = d.B * heads * Cq * d.T_keys * f, d.B * heads * Cq * (d.T_keys - Cq) * f
+    fixed = BTn * ((d.d_qk + d.d_v) * copy32 + (2 * d.d_qk + d.d_v + 1) * f)
+    loop = 3 * tile + max(3 * previous + d.B * heads * Cq * d.d_v * copy32, 2 * BTn * d.d_qk * f)
+    end = 3 * tile + (0 if d.fp32 else BTn * (2 * d.d_qk + d.d_v) * d.s)
+    return fixed + max(loop, end)
+
+
+def attention_forward_ws(d: DraftDims, k: int) -> int:
+    """Peak of step ``k``'s expanded ``flash_lse`` forward beyond its inputs, its output and LSE included (0 for the
+    other backends and the latent cache, whose transients are not modelled here).
+
+    The block kernel: on CUDA the chunked kernel's last 256-query chunk — its fp32 scores, the two logsumexp
+    temporaries and the previous chunk's probabilities (``[B,n,256,T]`` fp32 each), the chunk outputs and LSEs so far,
+    or at the end those lists beside their concatenation; the fused CPU kernel: the padded inputs and its padded
+    output ``[B,n,T,max(d_qk,d_v)]`` and LSE. For ``k ≥ 1`` then the slot-chunked diagonal merge: the block output
+    and LSE, the merged ones, and one chunk's later K (or V) stacked in the draft dtype and in fp32
+    (``k·[B,n,C,d]``) beside the fp32 ``q`` rows (or the merged output rows)."""
+    if d.backend != "flash_lse" or d.latent:
+        return 0
+    BTn, s, f = d.BT * d.n, d.s, FP32
+    width = max(d.d_qk, d.d_v)
+    if d.cpu:
+        pads = BTn * width * s * ((d.d_qk < width) * 2 + (d.d_v < width))
+        block_out = BTn * (width * s + f)
+        kernel = pads + block_out
+    else:
+        Cq, heads = min(256, d.T_keys), d.n // d.sp
+        tiles = d.B * heads * Cq * (3 * d.T_keys + d.T_keys - Cq) * f
+        block_out = BTn * (d.d_v * s + f)
+        kernel = max(tiles + d.B * heads * (d.T_keys - Cq) * (d.d_v * s + f), 2 * block_out)
+    if k == 0:
+        return kernel
+    c = diagonal_chunk(d)
+    cast = 0 if d.fp32 else s
+    # fp32 q rows: a cast copy, or the contiguous copy matmul makes of a strided slice (none for one whole chunk)
+    q_rows = 0 if d.fp32 and c == BTn else c * d.d_qk * f
+    rows = max(k * c * d.d_qk * (f + cast) + q_rows, k * c * d.d_v * (f + cast) + 3 * c * d.d_v * f)
+    return max(kernel, block_out + BTn * (d.d_v * s + f) + rows)
 
 
 def latent_attention_backward_ws(d: DraftDims, k: int, kernel: int) -> int:
@@ -148,15 +210,16 @@ def last_step_forward(d: DraftDims, checkpointing: bool, shared: int, kept: list
     peak = held - loss_saved(d, last) - final_norm_saved(d) + situ_forward_ws(d, not checkpointing)
     if d.chunked:
         peak = max(peak, held + chunked_chunk_ws(d, last, backward=False))
-    if d.sp > 1:  # the last step's input exchange: its layer holds only the norms and projections so far
-        if checkpointing:  # a first (no-grad) forward saves nothing: its input, `combined` and q are held
-            step = d.BT * (d.H + 2 * d.H + d.n * d.d_qk) * d.s
-        else:
-            parts = step_saved_parts(d, last)
-            step = parts["norms"] - norm_saved(d, d.H) + parts["attention projections"]
-        exchange = shared + sum(kept[:last]) + sum(listed[:last]) + step + exchange_forward_ws(d)
-        peak = max(peak, exchange)
-    return peak
+    # The last step's input exchange and attention: its layer holds only the norms and projections so far.
+    if checkpointing:  # a first (no-grad) forward saves nothing: its input, `combined` and q are held
+        step = d.BT * (d.H + 2 * d.H + d.n * d.d_qk) * d.s
+    else:
+        parts = step_saved_parts(d, last)
+        step = parts["norms"] - norm_saved(d, d.H) + parts["attention projections"]
+    before = shared + sum(kept[:last]) + sum(listed[:last]) + step
+    if d.sp > 1:
+        peak = max(peak, before + exchange_forward_ws(d))
+    return max(peak, before + cache_entry_bytes(d) + attention_forward_ws(d, last))
 
 
 def exchange_forward_ws(d: DraftDims) -> int:
@@ -219,6 +282,10 @@ def step_backward_stages(
         stages = {"loss / lm_head": live + max(loss_backward_ws(d, j), logits_grad + in_flight("head"))}
     live += created("head") - loss_saved(d, j) - final_norm
     if checkpointing:  # the step's forward again, saving this time, with a second copy of its K/V
+        projected = live + parts["norms"] - norm_saved(d, d.H) + parts["attention projections"]
+        if d.sp > 1:
+            stages["recompute exchange"] = projected + exchange_forward_ws(d)
+        stages["recompute attention"] = projected + cache_entry_bytes(d) + attention_forward_ws(d, j)
         live += sum(parts.values()) - parts["loss"] - final_norm + cache_entry_bytes(d)
         stages["recompute"] = live + situ_forward_ws(d, saved=True)
     stages["MLP"] = live + max(d.BT * d.I * s + in_flight("mlp"), mlp_backward_ws(d))

@@ -45,13 +45,7 @@ class DraftDims:
 
     @classmethod
     def of(cls, inputs: PlanInputs) -> DraftDims:
-        c = inputs.draft
-        if inputs.ttt_kv_cache == "latent" and inputs.draft_sp > 1:
-            # draft/latent_attention.py check_latent_cache: the latents expand for every head, SP gives n/sp.
-            raise ValueError(
-                f"ttt_kv_cache='latent' needs draft_sequence_parallel_size=1 (head-sharded attention expands the "
-                f"latents per head), got draft_sequence_parallel_size={inputs.draft_sp}; use ttt_kv_cache='expanded'"
-            )
+        c = inputs.draft  # PlanInputs refuses ttt_kv_cache='latent' under draft sequence parallelism
         return cls(
             B=inputs.batch_size,
             T=inputs.local_seq_len,

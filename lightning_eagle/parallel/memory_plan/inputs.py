@@ -12,7 +12,7 @@ from lightning_eagle.draft.config import Eagle3DraftConfig
 from lightning_eagle.k3.config import KimiK3TextConfig
 from lightning_eagle.k3.target_spec import EXPERT_STORAGES
 from lightning_eagle.parallel.memory import GB, check_ep_size
-from lightning_eagle.settings import DEFAULT_TTT_STEPS
+from lightning_eagle.settings import DEFAULT_LOSS_CHUNK, DEFAULT_TTT_STEPS
 
 if TYPE_CHECKING:
     from lightning_eagle.k3.target_spec import TargetSpec
@@ -53,7 +53,7 @@ class PlanInputs:
     teacher_vocab_chunk: int = 16384
     teacher_seq_chunk: int = 2048
     loss_backend: str = "plain"  # "chunked": fused lm_head + soft CE with the teacher computed per chunk
-    loss_chunk: int = 1024  # tokens per chunk of the chunked loss
+    loss_chunk: int = DEFAULT_LOSS_CHUNK  # rows per chunk of the chunked loss
     ttt_kv_cache: str = "expanded"  # "latent": the TTT cache keeps MLA's normalised latent + rope key
     target_token_chunk: int | None = None  # the target forward in token segments of this many tokens
     draft_sp: int = 1  # draft sequence-parallel size: the ranks of one group share a sequence, each owns T/sp slots
@@ -91,6 +91,11 @@ class PlanInputs:
             raise ValueError(
                 f"draft_sequence_parallel_size ({self.draft_sp}) must divide the draft's "
                 f"{self.draft.num_attention_heads} attention heads (Ulysses shards the heads)"
+            )
+        if self.ttt_kv_cache == "latent" and self.draft_sp > 1:
+            raise ValueError(
+                f"ttt_kv_cache='latent' with draft_sequence_parallel_size={self.draft_sp}: the latent cache has one "
+                "head, which Ulysses cannot shard (the draft refuses it too); use ttt_kv_cache='expanded'"
             )
         if self.expert_storage not in EXPERT_STORAGES:
             raise ValueError(f"target_expert_storage must be one of {EXPERT_STORAGES}, got {self.expert_storage!r}")

@@ -178,14 +178,18 @@ def draft_unroll_terms(inputs: PlanInputs, draft: DraftShapes) -> list[Term]:
     up = unroll_peak(d, ckpt, shared, draft)
     cache = sum(cache_entry_kept(d, k, ckpt) for k in range(d.K))
     teacher_bytes, teacher_note = teacher_kept_bytes(inputs)
-    saved_note = "checkpointed: step inputs, final norms, log-probs" if ckpt else "what autograd saves per step"
+    kept_outside = "final norms, log-probs" if inputs.loss_backend == "plain" else "the chunked loss's step outputs"
+    saved_note = f"checkpointed: step inputs, {kept_outside}" if ckpt else "what autograd saves per step"
+    shared_note = "eager's [B,1,T,T] additive mask" if d.backend == "eager" else "no mask (flash_lse: CausalBlock)"
+    if inputs.target_dtype != inputs.draft_dtype:
+        shared_note += ", fc input cast to the draft dtype"
     terms = [
         Term(phase, "target outputs + teacher", target_outputs_bytes(inputs) + teacher_bytes,
              f"aux, final hidden ×2, {teacher_note}"),
         Term(phase, "TTT K/V cache", cache, f"{d.K} steps"),
         Term(phase, "TTT saved activations", up.kept_after_forward - cache - shared,
              f"{saved_note}; {d.K} steps at T={d.T}, backend {d.backend}"),
-        Term(phase, "TTT mask + fc input cast", shared, "[B,1,T,T] additive mask in the draft dtype"),
+        Term(phase, "TTT mask + fc input cast", shared, shared_note),
         Term(phase, "backward: gradient buffers + working set", up.peak - up.kept_after_forward,
              f"peak at {up.where}"),
     ]  # fmt: skip
