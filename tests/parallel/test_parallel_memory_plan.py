@@ -280,11 +280,11 @@ def test_real_k3_dense_shards_and_the_config_numbers():
     assert (run.inputs.world, run.inputs.ep, run.inputs.dense_sharded) == (64, 64, True)
     plan = build_plan(run.inputs)
     # The numbers the config header states.
-    assert round(plan.peak_bytes / GB, 1) == 62.5 and plan.peak_phase == "draft unroll"
+    assert round(plan.peak_bytes / GB, 1) == 60.8 and plan.peak_phase == "draft unroll"
     h200 = run_config_from_yaml("kimi_k3_eagle3_141gb", target_config="k3").inputs
     assert (h200.world, h200.ep, h200.dense_sharded) == (32, 32, True)
-    assert round(build_plan(h200).peak_bytes / GB, 1) == 86.9
-    assert round(build_plan(replace(h200, world=16, ep=16)).peak_bytes / GB, 1) == 135.6
+    assert round(build_plan(h200).peak_bytes / GB, 1) == 85.2
+    assert round(build_plan(replace(h200, world=16, ep=16)).peak_bytes / GB, 1) == 134.0
 
 
 # ---- the command line ------------------------------------------------------------------------------------------------
@@ -301,7 +301,7 @@ def test_cli_fits_and_does_not_fit(capsys):
     code, lines, _ = run_cli(capsys, "--config", "kimi_k3_eagle3", "--target-config", "k3", "--world", "8",
                              "--ep", "8", "--max-nodes", "8")  # fmt: skip
     assert code == 0 and lines[-1].startswith("does not fit: peak ")
-    assert lines[-1].endswith("smallest fit: 7 nodes x 8 GPUs (world 56) with expert_parallel_size 56 (peak 66.0 GB)")
+    assert lines[-1].endswith("smallest fit: 7 nodes x 8 GPUs (world 56) with expert_parallel_size 56 (peak 64.3 GB)")
 
 
 def test_old_spelling_names_the_new_command():
@@ -326,7 +326,7 @@ def test_cli_target_fallback_is_stated(capsys):
     code, lines, _ = run_cli(capsys, "--config", "kimi_k3_eagle3", "--target-config", "k3")
     assert code == 0 and lines[0].startswith("note: model.target '/checkpoints/moonshotai/Kimi-K3' is not here")
     assert "--target-config preset 'k3'" in lines[0]
-    assert lines[-1].startswith("fits: peak 62.5 GB of 80 GB per GPU")
+    assert lines[-1].startswith("fits: peak 60.8 GB of 80 GB per GPU")
 
 
 @pytest.mark.parametrize(
@@ -374,13 +374,32 @@ def test_packaged_k3_configs_parse(capsys):
 
     from lightning_eagle.commands.cli import main
 
-    for name, nodes, ep in (("kimi_k3_eagle3", 8, 64), ("kimi_k3_eagle3_141gb", 4, 32)):
+    for name, nodes, ep in (("kimi_k3_eagle3", 8, 64), ("kimi_k3_eagle3_141gb", 4, 32), ("kimi_k3_eagle3_64k", 8, 64)):
         with pytest.raises(SystemExit):
             main(["fit", "--config", str(REPO / "configs" / f"{name}.yaml"), "--print_config"])
         printed = yaml.safe_load(capsys.readouterr().out)
         strategy = printed["trainer"]["strategy"]["init_args"]
         assert (printed["trainer"]["num_nodes"], strategy["expert_parallel_size"]) == (nodes, ep)
         assert strategy["target_shard_dense"] is True and printed["model"]["draft_activation_checkpointing"] is True
+
+
+def test_64k_config_fits_80gb_with_every_long_context_mechanism_planned(capsys):
+    """Issue 21's outcome: the plan of the shipped 64K config ends with ``fits`` on 80 GB GPUs, with a margin above
+    the plan's measured error bars (meta census within 3 %, CPU within 5 %), every mechanism in the plan's inputs."""
+    run = run_config_from_yaml("kimi_k3_eagle3_64k", target_config="k3")
+    i = run.inputs
+    assert (i.seq_len, i.world, i.ep, i.draft_sp) == (65536, 64, 64, 8)
+    assert (i.loss_backend, i.target_token_chunk, i.attention_backend, i.activation_checkpointing) == (
+        "chunked", 4096, "flash_lse", True,
+    )  # fmt: skip
+    plan = build_plan(i)
+    assert plan.peak_bytes < 0.9 * 80 * GB, plan.peak_bytes / GB
+    assert plan.term("TTT mask + fc input cast").nbytes == 0  # no [B,1,T,T] anywhere
+    code, lines, _ = run_cli(capsys, "--config", "kimi_k3_eagle3_64k", "--gpu-gb", "80", "--target-config", "k3")
+    assert code == 0 and lines[-1].startswith(f"fits: peak {plan.peak_bytes / GB:.1f} GB of 80 GB per GPU")
+    # The same run without the mechanisms does not fit on any layout: the plan is not made to fit by leaving them out.
+    plain = replace(i, loss_backend="plain", target_token_chunk=None, draft_sp=1)
+    assert build_plan(plain).peak_bytes > 3 * 80 * GB
 
 
 if __name__ == "__main__":
