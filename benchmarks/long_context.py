@@ -6,15 +6,13 @@ step time of today's settings against the long-context ones.
     python benchmarks/long_context.py --memory-only / --time-only
 
 **Memory.** One fixed mid-size run (a widened k3-tiny target with every K3 structure — KDA, gated NoPE MLA,
-AttnRes, MoE with MXFP4 experts — and its draft, fp32 (this CPU has no bf16 units: bf16 is emulated and slow), B = 1, K = 7) with every long-context mechanism on (see
-``LONG``). A fresh subprocess per T builds the models, runs one warm-up step at a short T (gradients and AdamW
-states allocated, kernels warmed), then measures one whole training step at T — target forward, teacher, the K-step
-TTT unroll with its backward, the grad-norm pass and the optimizer step — as the kernel's peak-RSS growth over the
-resident bytes (weights, gradients, optimizer states): ``/proc/self/clear_refs`` ← 5 resets ``VmHWM``, glibc is told
-to ``mmap`` every block ≥ 64 KiB so that freed tensors leave the RSS at once (the technique of
-``tests/parallel/test_parallel_memory_plan.py``). The table gives each peak, its ratio to the first T (linear memory:
-16384 vs 2048 ≤ 8.5x), and the plan's prediction (:mod:`lightning_eagle.parallel.memory_plan`, ``device="cpu"``) with
-its error.
+AttnRes, MoE with MXFP4 experts — and its draft; fp32, since CPUs without bf16 units emulate bf16 slowly; B = 1,
+K = 7) with every long-context mechanism on (``LONG``). A fresh subprocess per T builds the models, runs one warm-up
+step at a short T (gradients and AdamW states allocated, kernels warmed), then measures one whole training step at
+T — target forward, teacher, the K-step TTT unroll with its backward, the grad-norm pass and the optimizer step — as
+the peak-RSS growth over the resident bytes (weights, gradients, optimizer states), with
+:mod:`lightning_eagle.parallel.memory_plan.cpu_probe`. The table gives each peak, its ratio to the first T (linear
+memory: 16384 vs 2048 at most 8.5x), and the plan's prediction (``device="cpu"``) with its error.
 
 **Time.** Best of ``--repeats`` whole training steps after a warm-up, fresh subprocess per (settings, T): ``TODAY``
 (the settings before long context: flash_lse with its mask, full-vocabulary teacher tensors, unchunked target) and
@@ -120,28 +118,16 @@ def build(spec: dict, T: int):
 
 
 def measure_memory(spec: dict, T: int) -> dict:
-    import ctypes
-    import gc
 
     import torch
 
     torch.set_num_threads(1)
-    libc = ctypes.CDLL("libc.so.6")
-    page = os.sysconf("SC_PAGE_SIZE")
-
-    def rss() -> int:
-        gc.collect()
-        libc.malloc_trim(0)
-        return int(Path("/proc/self/statm").read_text().split()[1]) * page
-
-    def peak() -> int:
-        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM"))
-        return int(line.split()[1]) * 1024
+    from lightning_eagle.parallel.memory_plan.cpu_probe import peak, reset_peak, rss
 
     step = build(spec, T)
     step(spec["warmup_T"])
     before = rss()
-    Path("/proc/self/clear_refs").write_text("5")
+    reset_peak()
     step(T)
     return {"step": peak() - before}
 
@@ -193,9 +179,11 @@ def measure_attention(spec: dict, T: int, repeats: int) -> dict:
 
 
 def run_isolated(kind: str, name: str, T: int, repeats: int = 1) -> dict:
+    from lightning_eagle.parallel.memory_plan.cpu_probe import MALLOC_ENV
+
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if kind == "memory":
-        env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
+        env.update(MALLOC_ENV)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, __file__, "--worker", kind, name, str(T), "--repeats", str(repeats)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)

@@ -85,8 +85,6 @@ def plan_inputs(spec: dict) -> PlanInputs:
 def _measure(spec: dict) -> dict:
     """One warm-up step, then the peak RSS growth of the target forward alone, of one MoE layer and of a whole
     training step; weights as the RSS growth of building the models plus what freeing gradients and states returns."""
-    import ctypes
-    import gc
     from functools import partial
 
     from lightning_eagle.k3 import KimiK3ForCausalLM
@@ -95,20 +93,7 @@ def _measure(spec: dict) -> dict:
     from lightning_eagle.training.ttt import checkpointed_draft_step, draft_step, ttt_loss
 
     torch.set_num_threads(1)
-    libc = ctypes.CDLL("libc.so.6")
-    page = os.sysconf("SC_PAGE_SIZE")
-
-    def rss() -> int:
-        gc.collect()
-        libc.malloc_trim(0)
-        return int(Path("/proc/self/statm").read_text().split()[1]) * page
-
-    def reset_peak() -> None:
-        Path("/proc/self/clear_refs").write_text("5")
-
-    def peak() -> int:
-        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM"))
-        return int(line.split()[1]) * 1024
+    from lightning_eagle.parallel.memory_plan.cpu_probe import peak, reset_peak, rss
 
     inputs = plan_inputs(spec)
     B, T, V = inputs.batch_size, inputs.seq_len, inputs.target.vocab_size

@@ -203,24 +203,12 @@ def cpu_inputs(T: int, C: int) -> PlanInputs:
 def _measure_capture(runs: list[tuple[int, int]]) -> list[int]:
     """Peak RSS growth of one token-chunked ``capture`` per (T, C), after a warm-up capture of two segments (every
     kernel of a later segment called once: the first call of a kernel leaves lazy global state behind)."""
-    import ctypes
-    import gc
 
     from lightning_eagle.k3 import KimiK3ForCausalLM
     from lightning_eagle.k3.model import set_token_chunk
 
     torch.set_num_threads(1)
-    libc = ctypes.CDLL("libc.so.6")
-    page = os.sysconf("SC_PAGE_SIZE")
-
-    def rss() -> int:
-        gc.collect()
-        libc.malloc_trim(0)
-        return int(Path("/proc/self/statm").read_text().split()[1]) * page
-
-    def peak() -> int:
-        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM"))
-        return int(line.split()[1]) * 1024
+    from lightning_eagle.parallel.memory_plan.cpu_probe import peak, reset_peak, rss
 
     inputs = cpu_inputs(*runs[0])
     target = KimiK3ForCausalLM(inputs.target, expert_storage=inputs.expert_storage).init_weights(0)
@@ -232,7 +220,7 @@ def _measure_capture(runs: list[tuple[int, int]]) -> list[int]:
         ids = torch.randint(0, inputs.target.vocab_size, (1, T), generator=gen)
         ones = torch.ones_like(ids)
         before = rss()
-        Path("/proc/self/clear_refs").write_text("5")
+        reset_peak()
         with torch.no_grad():
             cap = target.capture(ids, ones, aux_layer_ids=list(inputs.taps))
         out.append(peak() - before)
@@ -243,7 +231,8 @@ def _measure_capture(runs: list[tuple[int, int]]) -> list[int]:
 @pytest.mark.slow
 def test_chunked_target_forward_matches_peak_rss_measured_on_cpu():
     """The MEDIUM target (every K3 structure, MXFP4 experts, bf16) at B = 1, token_chunk 1024, T = 4096 in a fresh
-    subprocess (T = 8192 measured 143.6 MB against 139.6 planned; ``benchmarks/long_context.py`` covers longer T); the plan's "target forward" phase (device="cpu": the materialised lower-right MLA mask, the
+    subprocess (T = 8192 measured 143.6 MB against 139.6 planned; ``benchmarks/long_context.py`` covers longer T);
+    the plan's "target forward" phase (device="cpu": the materialised lower-right MLA mask, the
     CPU decode's int64 indices) within 5 %."""
     runs = [(4096, 1024)]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
