@@ -19,7 +19,7 @@ import pytest
 from lightning_eagle.data.long_corpus import rendered_length, write_long_corpus
 
 REPO = Path(__file__).resolve().parents[2]
-PEAK_RSS_BOUND = 2e9  # bytes; measured 776 MB (closing note of issue 21)
+PEAK_RSS_BOUND = 3e9  # bytes; measured 762-776 MB alone (closing note of issue 21); eager: > 4.3 GB
 
 LONG_CONTEXT_SETTINGS = [
     "--model.attention_backend", "flash_lse",
@@ -55,8 +55,9 @@ def test_fit_on_16k_token_rows_with_bounded_memory(tmp_path):
         "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
         "--trainer.default_root_dir", str(tmp_path / "run"),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    # A clean environment: what earlier tests of the session left in os.environ must not change the measured process.
+    env = {k: os.environ[k] for k in ("PATH", "HOME", "TMPDIR", "LANG", "VIRTUAL_ENV") if k in os.environ}
+    env.update(OMP_NUM_THREADS="2", MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(REPO))
     result = subprocess.run(
         [sys.executable, "-c", _RUN, *args], capture_output=True, text=True, env=env, timeout=1200, cwd=tmp_path
     )
