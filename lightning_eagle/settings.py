@@ -41,6 +41,14 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_positive_int_or_none(name: str, value: object, as_int: str, as_none: str) -> int | None:
+    """``value`` if it is a positive int (meaning ``as_int``) or None (meaning ``as_none``), else ``ValueError``
+    naming ``name`` and both meanings: the shape of every optional size setting (token chunk, prefill chunk, cap)."""
+    if value is None or (is_int(value) and value >= 1):
+        return value
+    raise ValueError(f"{name} must be a positive int ({as_int}) or None ({as_none}), got {value!r}")
+
+
 def check_mla_heads_and_widths(config: object, owner: str, positive_ints: Iterable[str]) -> None:
     """The head and width rules of a K3-style MLA config — the target's text config and the draft's alike: one K/V
     head per query head (``owner`` names whose MLA in that message), every field of ``positive_ints`` an integer

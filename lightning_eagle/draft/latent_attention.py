@@ -37,7 +37,6 @@ TTT_KV_CACHES = {
     "latent": "MLA's normalised KV latent + shared rope key, r + d_rope values per token, expanded inside each step",
 }
 DEFAULT_TTT_KV_CACHE = "expanded"
-DEFAULT_DIAGONAL_CHUNK = 512  # slots whose later-step K/V are expanded at once (flash_lse)
 
 
 def check_ttt_kv_cache(name: str) -> str:
@@ -168,9 +167,10 @@ def latent_flash_lse_ttt_attention(
     chunk: int | None = None,
 ) -> torch.Tensor:
     """``flash_lse`` over a latent cache: the same rows as over the expanded cache (module docstring). ``chunk``: slots
-    whose later-step K/V are expanded at once (default :data:`DEFAULT_DIAGONAL_CHUNK`, read at call time)."""
+    whose later-step K/V are expanded at once (default: the expanded path's
+    :data:`~lightning_eagle.draft.ttt_attention.DEFAULT_DIAGONAL_CHUNK`, read at call time)."""
     kernel = kernel or tta.default_kernel(q)  # the expanded path's choice (one per-device rule)
-    chunk = chunk or DEFAULT_DIAGONAL_CHUNK
+    chunk = chunk or tta.DEFAULT_DIAGONAL_CHUNK  # one slot-chunk setting for both diagonal paths
     steps = len(cache) - 1
     if not steps:  # plain causal attention over the step's own (expanded) keys: nothing to chunk
         return tta.flash_lse_ttt_attention(q, expanded_cache(cache, latent_kv), scale, kernel=kernel)

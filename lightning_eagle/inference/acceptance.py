@@ -38,6 +38,7 @@ from lightning_eagle.data.prompts import resolve_prompts
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from lightning_eagle.inference.plain import plain_generate
 from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS, VerificationRounds, speculative_generate
+from lightning_eagle.settings import check_positive_int_or_none
 
 log = logging.getLogger(__name__)
 
@@ -163,14 +164,9 @@ def engine_acceptance(drafts: int, draft_tokens: int, accepted_per_position: lis
 # ---- evaluation -----------------------------------------------------------------------------------------------------
 def check_max_prompt_tokens(max_prompt_tokens: int | None) -> int | None:
     """``max_prompt_tokens``: the longest prompt kept (a positive int) or None (no cap of our own)."""
-    if max_prompt_tokens is None:
-        return None
-    if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
-        raise ValueError(
-            f"max_prompt_tokens must be a positive int (the longest prompt kept, in tokens) or None (no cap), got "
-            f"{max_prompt_tokens!r}"
-        )
-    return max_prompt_tokens
+    return check_positive_int_or_none(
+        "max_prompt_tokens", max_prompt_tokens, "the longest prompt kept, in tokens", "no cap"
+    )
 
 
 def capped_prompts(

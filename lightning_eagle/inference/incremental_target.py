@@ -20,6 +20,7 @@ single-shot prefill (``chunk=None``, the twin) to fp32 rounding.
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -29,6 +30,8 @@ import torch
 from lightning_eagle.aux_layers import validate_aux_layer_ids
 from lightning_eagle.inference.target_cache import KDALayerCache, MLALayerCache, kda_extend
 from lightning_eagle.k3.capture import aux_taps, check_aux_stream, stack_taps
+from lightning_eagle.k3.token_chunks import TokenSegments
+from lightning_eagle.settings import check_positive_int_or_none
 
 # Prompt tokens per prefill forward when the caller does not choose: [C,L] attention transients stay small at 64K
 # (2048 x 65536 booleans per mask) while a chunk is still wide enough to keep the device busy.
@@ -37,20 +40,15 @@ DEFAULT_PREFILL_CHUNK = 2048
 
 def check_prefill_chunk(prefill_chunk: int | None) -> int | None:
     """``prefill_chunk``: prompt tokens per prefill forward (a positive int) or None (the whole prompt at once)."""
-    if prefill_chunk is None:
-        return None
-    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-        raise ValueError(
-            f"prefill_chunk must be a positive int (prompt tokens per prefill forward) or None (the whole prompt in "
-            f"one forward), got {prefill_chunk!r}"
-        )
-    return prefill_chunk
+    return check_positive_int_or_none(
+        "prefill_chunk", prefill_chunk, "prompt tokens per prefill forward", "the whole prompt in one forward"
+    )
 
 
 def chunk_bounds(length: int, chunk: int | None) -> list[tuple[int, int]]:
     """``[start, stop)`` of each prefill forward over ``length`` tokens (one span when ``chunk`` is None)."""
     chunk = check_prefill_chunk(chunk) or max(length, 1)
-    return [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
+    return TokenSegments(length, chunk, math.ceil(length / chunk)).bounds
 
 
 @dataclass

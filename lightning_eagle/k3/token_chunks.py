@@ -35,17 +35,12 @@ from torch.nn.attention.bias import causal_lower_right
 
 from lightning_eagle.k3.kda import KimiDeltaAttention
 from lightning_eagle.ops.mla import MLA_BACKEND, MLA_CORES, NoPEMLA, causal_allowed_mask
+from lightning_eagle.settings import check_positive_int_or_none
 
 
 def check_token_chunk(token_chunk: int | None) -> int | None:
     """``token_chunk``: tokens per segment (a positive int) or None (the unchunked forward)."""
-    if token_chunk is None:
-        return None
-    if isinstance(token_chunk, bool) or not isinstance(token_chunk, int) or token_chunk < 1:
-        raise ValueError(
-            f"token_chunk must be a positive int (tokens per segment) or None (unchunked), got {token_chunk!r}"
-        )
-    return token_chunk
+    return check_positive_int_or_none("token_chunk", token_chunk, "tokens per segment", "unchunked")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lightning_eagle.draft import TTTCache, build_draft
-from lightning_eagle.draft import latent_attention as la
+from lightning_eagle.draft import ttt_attention as tta
 from lightning_eagle.draft.block_attention import ChunkedKernel, CpuFlashKernel
 from lightning_eagle.draft.deepseek_mla import DeepseekMLAEagle3Draft
 from lightning_eagle.draft.latent_attention import LatentKV, expanded_cache, latent_flash_lse_ttt_attention
@@ -149,7 +149,7 @@ def unroll(draft, batch, checkpointed, K=3):
 @pytest.mark.parametrize("backend", ["eager", "flash_lse", "sdpa_mask"])
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
 def test_latent_unroll_matches_expanded(make_draft, make_batch, monkeypatch, backend, checkpointed):
-    monkeypatch.setattr(la, "DEFAULT_DIAGONAL_CHUNK", 4)  # several slot chunks at T = 10
+    monkeypatch.setattr(tta, "DEFAULT_DIAGONAL_CHUNK", 4)  # several slot chunks at T = 10
     draft = make_draft(dtype=torch.float64)
     batch = {k: v.double() if v.is_floating_point() else v for k, v in make_batch(draft.config, T=10).items()}
     draft.attention_backend = "eager"

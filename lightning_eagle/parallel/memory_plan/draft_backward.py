@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_eagle.draft import ttt_attention
-from lightning_eagle.draft.latent_attention import DEFAULT_DIAGONAL_CHUNK
 from lightning_eagle.parallel.memory_plan.draft_forward import (
     DraftDims,
     cache_entry_bytes,
@@ -175,7 +174,7 @@ def latent_attention_backward_ws(d: DraftDims, k: int, kernel: int) -> int:
     expansion = returned + d.BT * d.n * (d.d_nope + d.d_v) * s
     if k == 0:
         return max(kernel, expansion)
-    C = min(DEFAULT_DIAGONAL_CHUNK, d.T)
+    C = min(ttt_attention.DEFAULT_DIAGONAL_CHUNK, d.T)
     copy32 = 0 if d.fp32 else FP32
     w = d.n * (d.d_nope + d.d_v) * d.kv_lora
     held = returned + BTn * d.d_qk * copy32 + w * (copy32 + FP32) + k * d.BT * (d.kv_lora + d.d_rope) * FP32

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from lightning_eagle.k3.config import KimiK3TextConfig
 from lightning_eagle.k3.kda_ops import safe_chunk_size
+from lightning_eagle.k3.token_chunks import TokenSegments
 from lightning_eagle.parallel.memory import TargetShapes
 from lightning_eagle.parallel.memory_plan.inputs import FP32, PlanInputs
 
@@ -257,9 +258,9 @@ def fsdp_gathers(inputs: PlanInputs, shapes: TargetShapes):
 
 
 def segment_bounds(inputs: PlanInputs) -> list[tuple[int, int]]:
-    """The ``[start, stop)`` token segments of one row (``TokenSegments.bounds`` on one rank)."""
+    """The ``[start, stop)`` token segments of one row on one rank (no empty EP-agreement segments)."""
     T, C = inputs.seq_len, inputs.target_token_chunk
-    return [(start, min(start + C, T)) for start in range(0, T, C)]
+    return TokenSegments(T, C, math.ceil(T / C)).bounds
 
 
 def mix_peak(N: int, H: int, m: int) -> int:
