@@ -179,11 +179,11 @@ def measure_attention(spec: dict, T: int, repeats: int) -> dict:
 
 
 def run_isolated(kind: str, name: str, T: int, repeats: int = 1) -> dict:
-    from lightning_eagle.parallel.memory_plan.cpu_probe import MALLOC_ENV
+    from lightning_eagle.parallel.memory_plan.cpu_probe import PROBE_ENV
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if kind == "memory":
-        env.update(MALLOC_ENV)
+        env.update(PROBE_ENV)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, __file__, "--worker", kind, name, str(T), "--repeats", str(repeats)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)

@@ -38,6 +38,7 @@ from lightning_eagle.commands.memory_plan import run_config_from_yaml
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
 from lightning_eagle.k3 import config_from_name
 from lightning_eagle.parallel.memory_plan import PlanInputs, build_plan
+from lightning_eagle.parallel.memory_plan.cpu_probe import PROBE_ENV
 from lightning_eagle.parallel.memory_plan.draft_backward import unroll_peak
 from lightning_eagle.parallel.memory_plan.draft_forward import DraftDims, unroll_shared_saved
 from lightning_eagle.parallel.memory_plan.draft_shapes import draft_shapes
@@ -166,7 +167,7 @@ def _measure(spec: dict) -> dict:
 
 
 def measure(specs: list[dict]) -> list[dict]:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **PROBE_ENV, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     result = subprocess.run(
         [sys.executable, __file__, json.dumps(specs)], capture_output=True, text=True, env=env, timeout=600

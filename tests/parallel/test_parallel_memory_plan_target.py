@@ -39,6 +39,7 @@ from lightning_eagle.draft import Eagle3DraftConfig
 from lightning_eagle.k3 import config_from_name
 from lightning_eagle.parallel.memory import SkipInit, target_shapes
 from lightning_eagle.parallel.memory_plan import PlanInputs, build_plan
+from lightning_eagle.parallel.memory_plan.cpu_probe import PROBE_ENV
 from lightning_eagle.parallel.memory_plan.target_forward import (
     chunked_layer_parts,
     chunked_stream_entries,
@@ -235,7 +236,7 @@ def test_chunked_target_forward_matches_peak_rss_measured_on_cpu():
     the plan's "target forward" phase (device="cpu": the materialised lower-right MLA mask, the
     CPU decode's int64 indices) within 5 %."""
     runs = [(4096, 1024)]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **PROBE_ENV, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     result = subprocess.run(
         [sys.executable, __file__, json.dumps(runs)], capture_output=True, text=True, env=env, timeout=900

@@ -32,6 +32,7 @@ LONG_CONTEXT_SETTINGS = [
 _RUN = """
 import json, resource, sys
 from lightning_eagle.commands.cli import main
+from lightning_eagle.parallel.memory_plan.cpu_probe import PROBE_ENV
 try:
     main(sys.argv[1:])
 finally:
@@ -57,7 +58,7 @@ def test_fit_on_16k_token_rows_with_bounded_memory(tmp_path):
     ]  # fmt: skip
     # A clean environment: what earlier tests of the session left in os.environ must not change the measured process.
     env = {k: os.environ[k] for k in ("PATH", "HOME", "TMPDIR", "LANG", "VIRTUAL_ENV") if k in os.environ}
-    env.update(OMP_NUM_THREADS="2", MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(REPO))
+    env.update(PROBE_ENV, OMP_NUM_THREADS="2", PYTHONPATH=str(REPO))
     result = subprocess.run(
         [sys.executable, "-c", _RUN, *args], capture_output=True, text=True, env=env, timeout=1200, cwd=tmp_path
     )

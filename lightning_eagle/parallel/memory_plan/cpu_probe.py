@@ -1,8 +1,12 @@
 """Peak resident memory of one phase of a CPU process (Linux): how the plan is held against what a machine really had
 to provide (``benchmarks/long_context.py`` and the measured plan tests).
 
-Run the process with :data:`MALLOC_ENV` so that glibc serves every block of 64 KiB or more from ``mmap`` and returns
-it on free (freed tensors then leave the RSS at once). A phase's peak is ``peak() − rss()`` taken before it, after
+Run the process with :data:`PROBE_ENV`: glibc then serves every block of 64 KiB or more from ``mmap`` and returns it
+on free (freed tensors leave the RSS at once), and oneDNN is capped at AVX-512 without its bf16/AMX kernels. On a CPU
+with AVX512-BF16 or AMX those kernels keep a per-thread scratchpad that grows to the largest bf16 GEMM seen and is
+never freed (about 110 MB more for the MEDIUM target's token-chunked forward on an AMD EPYC with AVX512-BF16): a CPU
+library's cache, not a tensor of the plan, and absent on CPUs without those ISAs. With the cap the same probe measures
+the same bytes on every x86 CPU (a cap above what a CPU has changes nothing there). A phase's peak is ``peak() − rss()`` taken before it, after
 ``reset_peak()``: ``/proc/self/clear_refs`` ← 5 resets the kernel's high-water mark ``VmHWM`` to the current RSS.
 RSS counts touched 4 KiB pages, so a few MB of Python and allocator bookkeeping land in every measurement.
 """
@@ -14,7 +18,7 @@ import gc
 import os
 from pathlib import Path
 
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
 
 
 def rss() -> int:
