@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from lightning_eagle.data.long_corpus import rendered_length, write_long_corpus
+from lightning_eagle.parallel.memory_plan.cpu_probe import PROBE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 PEAK_RSS_BOUND = 3e9  # bytes; measured 762-776 MB alone (closing note of issue 21); eager: > 4.3 GB
@@ -32,7 +33,6 @@ LONG_CONTEXT_SETTINGS = [
 _RUN = """
 import json, resource, sys
 from lightning_eagle.commands.cli import main
-from lightning_eagle.parallel.memory_plan.cpu_probe import PROBE_ENV
 try:
     main(sys.argv[1:])
 finally:
