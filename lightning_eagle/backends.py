@@ -4,8 +4,7 @@ lists, checks and resolves.
 
 ``"auto"`` is always a choice and is resolved per device in one place, the registry's ``auto`` rule, so that one
 config runs the CPU tests and the GPU run alike. A name the registry does not list is refused with the setting's name
-and the choices (never a silent fall-through to some other path). Settings that were renamed fail under their old
-spelling with a message naming the new one (:class:`RenamedSettings`, :func:`refuse_renamed_keywords`).
+and the choices (never a silent fall-through to some other path).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 AUTO = "auto"
 
@@ -83,38 +82,3 @@ class BackendSetting:
 
     def __set__(self, obj: Any, value: str) -> None:
         obj.__dict__[self.slot] = self.registry.check(value)
-
-
-def renamed_message(where: str, old: str, new: str) -> str:
-    return f"{where}: {old!r} was renamed {new!r}; use {new}"
-
-
-class RenamedSettings:
-    """Mixin (before ``nn.Module`` in the bases) for a class whose settings were renamed:
-    ``renamed_settings = {"old": "new"}``. Reading or writing an old name raises ``AttributeError`` naming the new
-    one — ``nn.Module`` would otherwise store the write silently (a no-op switch) and answer a read with a bare
-    "has no attribute"."""
-
-    renamed_settings: ClassVar[Mapping[str, str]] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        # nn.Module answers every submodule / parameter lookup here: one dict probe, then its own lookup
-        new = type(self).renamed_settings.get(name)
-        if new is not None:
-            raise AttributeError(renamed_message(type(self).__name__, name, new))
-        return super().__getattr__(name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        new = type(self).renamed_settings.get(name)
-        if new is not None:
-            raise AttributeError(renamed_message(type(self).__name__, name, new))
-        super().__setattr__(name, value)
-
-
-def refuse_renamed_keywords(where: str, keywords: Mapping[str, Any], renamed: Mapping[str, str]) -> None:
-    """For a function taking ``**keywords`` only to catch old spellings: ``TypeError`` naming the new keyword for a
-    renamed one, and Python's own message for any other unexpected keyword."""
-    for name in keywords:
-        if name in renamed:
-            raise TypeError(renamed_message(where, name, renamed[name]))
-        raise TypeError(f"{where}() got an unexpected keyword argument {name!r}")

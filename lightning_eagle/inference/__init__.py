@@ -11,8 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-# Lazy: `import lightning_eagle.inference` (and the moved `python -m lightning_eagle.inference`) loads no model code
-# and no Lightning until a name is used.
+# Lazy: `import lightning_eagle.inference` loads no model code and no Lightning until a name is used.
 _EXPORTS = {
     "AcceptanceCallback": "lightning_eagle.inference.callback",
     "AcceptanceReport": "lightning_eagle.inference.acceptance",

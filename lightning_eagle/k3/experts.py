@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_eagle.backends import BackendRegistry, BackendSetting, RenamedSettings
+from lightning_eagle.backends import BackendRegistry, BackendSetting
 from lightning_eagle.k3.mxfp4 import GROUP_SIZE, decode_mxfp4
 from lightning_eagle.ops.situ import situ_and_mul
 
@@ -84,8 +84,6 @@ EXPERTS_BACKEND = BackendRegistry(
     },
     auto=auto_experts_backend,
 )
-# The setting was the attribute `grouped_backend` before every fast path got one `*_backend` convention.
-RENAMED_EXPERTS_SETTINGS = {"grouped_backend": "experts_backend"}
 
 
 def _rows_aligned(*mats: torch.Tensor) -> bool:
@@ -98,12 +96,11 @@ def _rows_aligned(*mats: torch.Tensor) -> bool:
     return True
 
 
-class RoutedExperts(RenamedSettings, nn.Module):
+class RoutedExperts(nn.Module):
     """The local slice of one layer's routed experts; :meth:`forward` is the grouped path (``experts_backend``),
     :meth:`forward_naive` its per-expert twin."""
 
     experts_backend = BackendSetting(EXPERTS_BACKEND)
-    renamed_settings = RENAMED_EXPERTS_SETTINGS
 
     def __init__(
         self,

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_eagle.backends import refuse_renamed_keywords
 from lightning_eagle.k3.attn_res import attn_res_mix, res_weights
 from lightning_eagle.k3.capture import capture_hidden_states
 from lightning_eagle.k3.config import KimiK3TextConfig
@@ -20,7 +19,7 @@ from lightning_eagle.k3.fp32_parameters import is_fp32_parameter
 from lightning_eagle.k3.kda import KDA_BACKEND, KimiDeltaAttention
 from lightning_eagle.k3.layer import K3DecoderLayer
 from lightning_eagle.k3.token_chunks import agreed_segments, check_chunked_call, check_token_chunk
-from lightning_eagle.ops.mla import MLA_BACKEND, RENAMED_MLA_SETTINGS, NoPEMLA, causal_allowed_mask
+from lightning_eagle.ops.mla import MLA_BACKEND, NoPEMLA, causal_allowed_mask
 from lightning_eagle.ops.norm import K3RMSNorm
 
 
@@ -187,9 +186,7 @@ class KimiK3ForCausalLM(nn.Module):
         mla_backend: str = "auto",
         experts_backend: str = "auto",
         token_chunk: int | None = None,
-        **renamed,
     ) -> None:
-        refuse_renamed_keywords(type(self).__name__, renamed, RENAMED_MLA_SETTINGS)
         super().__init__()
         self.config = config
         self.expert_range = expert_range
@@ -212,7 +209,6 @@ class KimiK3ForCausalLM(nn.Module):
         experts_backend: str = "auto",
         shard=None,
         token_chunk: int | None = None,
-        **renamed,
     ) -> KimiK3ForCausalLM:
         """Load a released-layout checkpoint directory (outer VLM or bare text ``config.json``; single or sharded
         safetensors; MXFP4 or plain experts), or ``"quickstart"`` (the bundled tiny K3). Returns the model frozen and
@@ -222,7 +218,6 @@ class KimiK3ForCausalLM(nn.Module):
         experts once per forward); ``"dequantized"`` decodes them once to ``dtype`` at load. The ``*_backend``
         settings and ``token_chunk`` as in the constructor. ``shard``: splits the meta-device model's dense weights
         before loading (see :mod:`lightning_eagle.parallel.dense_shard`); each rank then reads only its rows."""
-        refuse_renamed_keywords(f"{cls.__name__}.from_pretrained", renamed, RENAMED_MLA_SETTINGS)
         # Imported here: the loader reads checkpoints, which building or running a model never needs.
         from lightning_eagle.k3.loader import load_k3_checkpoint
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_eagle.backends import BackendRegistry, BackendSetting, RenamedSettings, refuse_renamed_keywords
+from lightning_eagle.backends import BackendRegistry, BackendSetting
 from lightning_eagle.ops.norm import K3RMSNorm
 
 MLA_BACKEND = BackendRegistry(
@@ -27,11 +27,9 @@ MLA_BACKEND = BackendRegistry(
     },
     auto=lambda device: "sdpa",  # the fused kernels run (and are at least as accurate) on every device
 )
-# The setting was `attn_implementation` before every fast path got one `*_backend` convention.
-RENAMED_MLA_SETTINGS = {"attn_implementation": "mla_backend"}
 
 
-class NoPEMLA(RenamedSettings, nn.Module):
+class NoPEMLA(nn.Module):
     """Projections and output gate of K3's MLA. ``forward`` runs causal attention with the core named by
     ``mla_backend`` (:data:`MLA_BACKEND`: ``"auto"``, the default, = ``"sdpa"``, or ``"eager"``; a settable attribute).
 
@@ -40,7 +38,6 @@ class NoPEMLA(RenamedSettings, nn.Module):
     """
 
     mla_backend = BackendSetting(MLA_BACKEND)
-    renamed_settings = RENAMED_MLA_SETTINGS
 
     def __init__(
         self,
@@ -55,9 +52,7 @@ class NoPEMLA(RenamedSettings, nn.Module):
         latent_norm_eps: float = 1e-6,
         use_output_gate: bool = True,
         mla_backend: str = "auto",
-        **renamed,
     ) -> None:
-        refuse_renamed_keywords(type(self).__name__, renamed, RENAMED_MLA_SETTINGS)
         super().__init__()
         self.mla_backend = mla_backend
         self.num_heads = num_heads

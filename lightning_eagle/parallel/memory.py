@@ -256,13 +256,3 @@ def memory_table(config: KimiK3TextConfig, ep_sizes: list[int], dtype: torch.dty
             f"{m.total_dequantised_bytes / GB:.1f} GB |"
         )
     return "\n".join(rows)
-
-
-# The plan's command line lived here; the old spelling names its new home instead of running (and imports nothing
-# of the command side, which sits above this layer).
-if __name__ == "__main__":
-    import sys
-
-    new = "python -m lightning_eagle.commands.memory_plan (or lightning-eagle memory-plan)"
-    print(f"moved: use {new} with the same flags", file=sys.stderr)
-    raise SystemExit(2)

@@ -549,15 +549,3 @@ def test_a_header_only_progress_file_does_not_block_the_corrected_rerun(tmp_path
     path.write_text(json.dumps({"format": PROGRESS_FORMAT, "model": "wrong"}) + "\n" + json.dumps({"row": 0}) + "\n")
     with pytest.raises(ValueError, match="was written by a run with other model"):
         ProgressFile(path, {"format": PROGRESS_FORMAT, "model": "right"}).load()
-
-
-def test_the_old_module_entry_point_names_the_new_one(tmp_path):
-    """``python -m lightning_eagle.data.regenerate`` (the command before it moved to ``commands``) runs nothing: it
-    names the new entry point and exits 2."""
-    out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "lightning_eagle.data.regenerate", "in.jsonl", str(out), "--base-url", "http://x/v1"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert "moved: use python -m lightning_eagle.commands.regenerate" in result.stderr
-    assert not out.exists() and not progress_path(out).exists()

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -106,25 +102,6 @@ def test_cli_entry_point(tmp_path, chat_file, capsys):
     assert "tau_real" in printed
     saved = json.loads(out_json.read_text())
     assert saved["num_prompts"] == 2 and saved["greedy_mismatches"] == 0
-
-
-def test_the_old_module_entry_point_names_the_new_one(tmp_path):
-    """``python -m lightning_eagle.inference`` (the command before it moved to ``commands``) runs nothing — it does
-    not even import torch: it names the new entry point and exits 2."""
-    out_json = tmp_path / "report.json"
-    repo_root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-X", "importtime", "-m", "lightning_eagle.inference", "--target", "quickstart"]
-    env = {**os.environ, "PYTHONPATH": str(repo_root)}
-    result = subprocess.run(
-        [*cmd, "--draft", str(tmp_path), "--json", str(out_json)],
-        cwd=repo_root, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 2
-    assert "moved: use python -m lightning_eagle.commands.acceptance" in result.stderr
-    timings = [line for line in result.stderr.splitlines() if line.startswith("import time")]
-    imported = [line.rsplit("|", 1)[-1].strip() for line in timings]
-    assert "lightning_eagle.inference" in imported and "torch" not in imported
-    assert not out_json.exists()
 
 
 def test_the_number_of_draft_tokens_is_the_callers():

@@ -153,15 +153,11 @@ def test_stacked_mxfp4_decode_equals_per_expert_decode():
         decode_mxfp4(experts.down_packed, torch.full_like(experts.down_scale, 255))
 
 
-def test_experts_backend_names_are_checked_and_the_old_attribute_fails():
+def test_experts_backend_names_are_checked():
     experts = _experts("dequantized")
     with pytest.raises(ValueError, match="unknown routed-experts backend 'loop': experts_backend must be one of"):
         experts.experts_backend = "loop"  # never a silent fall-through to the padded bmm
     assert experts.experts_backend == "auto"
-    with pytest.raises(AttributeError, match="'grouped_backend' was renamed 'experts_backend'"):
-        experts.grouped_backend = "bmm"
-    with pytest.raises(AttributeError, match="'grouped_backend' was renamed 'experts_backend'"):
-        experts.grouped_backend  # noqa: B018
     model = KimiK3ForCausalLM(config_from_name("k3-tiny"), experts_backend="bmm")
     routed = [m for m in model.modules() if isinstance(m, RoutedExperts)]
     assert routed and all(m.experts_backend == "bmm" for m in routed)

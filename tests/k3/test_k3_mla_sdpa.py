@@ -185,21 +185,3 @@ def test_model_switch_and_default():
     assert all(m.mla_backend == "eager" for m in mlas)  # a refused name changes nothing
     with pytest.raises(ValueError, match="mla_backend must be one of"):
         mlas[0].mla_backend = "flash"
-
-
-def test_the_old_attn_implementation_spelling_fails_naming_mla_backend():
-    config = config_from_name("k3-tiny")
-    with pytest.raises(TypeError, match="'attn_implementation' was renamed 'mla_backend'"):
-        KimiK3ForCausalLM(config, attn_implementation="eager")
-    with pytest.raises(TypeError, match="'attn_implementation' was renamed 'mla_backend'"):
-        KimiK3ForCausalLM.from_pretrained("quickstart", attn_implementation="eager")
-    with pytest.raises(TypeError, match="unexpected keyword argument 'attn_impl'"):
-        KimiK3ForCausalLM(config, attn_impl="eager")
-    attn = _mla()
-    with pytest.raises(TypeError, match="'attn_implementation' was renamed 'mla_backend'"):
-        NoPEMLA(64, 64, 2, 16, 8, 8, 4, 8, attn_implementation="eager")
-    with pytest.raises(AttributeError, match="'attn_implementation' was renamed 'mla_backend'"):
-        attn.attn_implementation = "eager"  # would otherwise be stored silently and switch nothing
-    with pytest.raises(AttributeError, match="'attn_implementation' was renamed 'mla_backend'"):
-        attn.attn_implementation  # noqa: B018
-    assert attn.mla_backend == "auto" and isinstance(attn.q_a_proj, torch.nn.Linear)  # other attributes unaffected

@@ -290,22 +290,6 @@ def test_cli_fits_and_does_not_fit(capsys):
     assert lines[-1].endswith("smallest fit: 7 nodes x 8 GPUs (world 56) with expert_parallel_size 56 (peak 64.3 GB)")
 
 
-def test_old_spelling_names_the_new_command():
-    """``python -m lightning_eagle.parallel.memory`` (the old spelling) exits 2 naming the new command, without
-    importing the command side."""
-    probe = (
-        "import runpy, sys\n"
-        "try:\n"
-        "    runpy.run_module('lightning_eagle.parallel.memory', run_name='__main__')\n"
-        "except SystemExit as exit:\n"
-        "    print(exit.code, sorted(m for m in sys.modules if m.startswith('lightning_eagle.commands')))\n"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
-    assert result.stdout.strip().splitlines()[-1] == "2 []", result.stderr[-3000:]
-    assert "moved: use python -m lightning_eagle.commands.memory_plan (or lightning-eagle memory-plan)" in result.stderr
-
-
 def test_cli_target_fallback_is_stated(capsys):
     code, _, err = run_cli(capsys, "--config", "kimi_k3_eagle3")
     assert code == 2 and err.startswith("error: model.target:") and "--target-config" in err and "'k3'" in err
