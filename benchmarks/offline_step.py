@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -21,13 +22,10 @@ from lightning_eagle import ChatDataModule, Eagle3Module
 from lightning_eagle.features import HiddenStateDataModule
 from lightning_eagle.features import format as fmt
 from lightning_eagle.features.dump import dump_features
+from lightning_eagle.run_settings import DraftSettings, TargetSettings
 
-MODULE = {
-    "target": "quickstart",
-    "aux_layer_ids": [1, 3, 5],
-    "target_dtype": "float32",
-    "draft": {"intermediate_size": 256},
-}
+TARGET = TargetSettings(path="quickstart", aux_layer_ids=(1, 3, 5), dtype="float32")
+DRAFT = DraftSettings(config={"intermediate_size": 256})
 DATA = {"tokenizer": "synthetic", "max_length": 256, "batch_size": 8, "thinking_effort": None, "draft_vocab_size": 320}
 
 
@@ -51,7 +49,7 @@ def main(steps: int = 12) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         start = time.perf_counter()
-        spec = Eagle3Module(**MODULE).target_spec
+        spec = Eagle3Module(target=TARGET, draft=DRAFT).target_spec
         out = dump_features(spec, ChatDataModule(**DATA), root / "features", _trainer(root),
                             dtype="bfloat16")  # fmt: skip
         seconds = time.perf_counter() - start
@@ -62,11 +60,11 @@ def main(steps: int = 12) -> None:
 
         chats = ChatDataModule(**DATA)
         chats.setup("fit")
-        online = Eagle3Module(**MODULE)
+        online = Eagle3Module(target=TARGET, draft=DRAFT)
         online.configure_model(vocab_mapping=chats.vocab_mapping)
         features = HiddenStateDataModule(str(out), batch_size=DATA["batch_size"])
         features.setup("fit")
-        offline = Eagle3Module(**MODULE, target_source="features")
+        offline = Eagle3Module(target=replace(TARGET, source="features"), draft=DRAFT)
         trainer = _trainer(root)
         trainer.datamodule, offline._trainer = features, trainer
         offline.configure_model(vocab_mapping=features.vocab_mapping)

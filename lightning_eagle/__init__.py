@@ -2,7 +2,8 @@
 
 Data flow: ``data`` (chats → tokens + loss masks + vocab map) → ``k3`` (frozen K3, aux hidden states, teacher
 hidden) → ``draft`` (NoPE-MLA gated EAGLE-3 layer) → ``training`` (TTT loss, metrics, LightningModule) →
-``parallel`` (expert-parallel strategy, layout gates) → ``commands`` (every command line).
+``parallel`` (expert-parallel strategy, layout gates) → ``commands`` (every command line); a run's settings are the
+typed groups of :mod:`lightning_eagle.run_settings`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ _EXPORTS = {
     "ChatDataModule": "lightning_eagle.data.datamodule",
     "ExpertParallelStrategy": "lightning_eagle.parallel.strategy",
     "ParallelLayout": "lightning_eagle.parallel.layout",
+    "TargetSettings": "lightning_eagle.run_settings",
+    "DraftSettings": "lightning_eagle.run_settings",
+    "ObjectiveSettings": "lightning_eagle.run_settings",
+    "OptimizationSettings": "lightning_eagle.run_settings",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -36,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover — what IDEs and type checkers see; a tes
     from lightning_eagle.k3.presets import config_from_name
     from lightning_eagle.parallel.layout import ParallelLayout
     from lightning_eagle.parallel.strategy import ExpertParallelStrategy
+    from lightning_eagle.run_settings import DraftSettings, ObjectiveSettings, OptimizationSettings, TargetSettings
     from lightning_eagle.training.module import Eagle3Module
 
 

@@ -23,6 +23,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
@@ -32,6 +33,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_eagle.checkpoint_io import CheckpointLoadError, load_checkpoint_file
 from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.errors import DEBUG_ENV, RunError, debug_requested
+from lightning_eagle.run_settings import MODEL_GROUPS, refuse_flat_model_keys
 from lightning_eagle.training.module import Eagle3Module
 from lightning_eagle.training.progress import StepProgressBar
 from lightning_eagle.training.summary import fit_summary
@@ -69,7 +71,7 @@ class Eagle3CLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI merges the checkpoint's hyperparameters over the parsed config here, which silently drops
-        # explicit command-line values (--model.ttt_steps 3) and lets a checkpoint switch the run's draft
+        # explicit command-line values (--model.objective.ttt_steps 3) and lets a checkpoint switch the run's draft
         # architecture. Ours: the run's config is what runs; the module refuses a checkpoint whose draft differs
         # (Eagle3Module.on_load_checkpoint). The file is still read now, so a missing or truncated one is refused by
         # name before the run writes its config and logs.
@@ -109,7 +111,28 @@ class Eagle3CLI(LightningCLI):
 RUN_CLASSES = {"model_class": Eagle3Module, "datamodule_class": LightningDataModule, "subclass_mode_data": True}
 
 
+def refuse_flat_settings(words: list[str]) -> None:
+    """Refuse a run config or an option in the flat ``model.*`` shape (``model.ttt_steps``), naming the setting's
+    place in the groups of :mod:`lightning_eagle.run_settings`, before LightningCLI parses anything."""
+    for i, word in enumerate(words):
+        if word == "--config" and i + 1 < len(words) or word.startswith("--config="):
+            path = Path(words[i + 1] if word == "--config" else word.split("=", 1)[1])
+            if path.is_file():
+                loaded = yaml.safe_load(path.read_text())
+                refuse_flat_model_keys(loaded.get("model") if isinstance(loaded, dict) else None, str(path))
+        elif word.startswith("--model."):
+            keys = word[len("--model.") :].split("=", 1)[0].split(".")
+            nested = {keys[0]: {keys[1]: None} if len(keys) > 1 else None}
+            if len(keys) == 1 and keys[0] in MODEL_GROUPS:  # a whole group: a mapping or a YAML file of one
+                value = word.split("=", 1)[1] if "=" in word else (words[i + 1] if i + 1 < len(words) else "")
+                if keys[0] == "target" and not (value.lstrip().startswith("{") or Path(value).is_file()):
+                    refuse_flat_model_keys({"target": value}, "the command line")
+                continue
+            refuse_flat_model_keys(nested, "the command line")
+
+
 def make_cli(words: list[str], from_sys_argv: bool, run: bool = True) -> Eagle3CLI:
+    refuse_flat_settings(words)
     if from_sys_argv:  # LightningCLI warns when given `args` while sys.argv has arguments too
         sys.argv[1:] = words
     return Eagle3CLI(

@@ -18,7 +18,7 @@ def main(words: list[str] | None = None, from_sys_argv: bool = False) -> None:
         prog="lightning-eagle dump",
         description="Run the frozen target once over the config's data and store its EAGLE-3 features "
         "(then train with target_source: features, e.g. configs/quickstart_offline.yaml). Other options "
-        "(--config, --trainer.*, --model.*, --data.*) are read as for fit; --model.target_token_chunk runs the "
+        "(--config, --trainer.*, --model.*, --data.*) are read as for fit; --model.target.token_chunk runs the "
         "target forward in token segments here too.",
     )
     parser.add_argument("--out", default=None, help="features folder (default: <trainer.default_root_dir>/features)")
@@ -34,10 +34,10 @@ def main(words: list[str] | None = None, from_sys_argv: bool = False) -> None:
     cli = chat_data_cli(rest, from_sys_argv or words is None, command="dump")
     trainer = cli.trainer
     out = Path(args.out) if args.out else Path(trainer.default_root_dir) / "features"
-    # the target forward runs as the run's own: model.target_token_chunk (memory linear in T) applies to the dump too
+    # the target forward runs as the run's own: model.target.token_chunk (memory linear in T) applies to the dump too
     dump_features(cli.model.target_spec, cli.datamodule, out, trainer, dtype=args.dtype,
                   hidden_states=args.hidden_states, shard_rows=args.shard_rows, shard_tokens=args.shard_tokens,
-                  target_token_chunk=cli.model.hparams.target_token_chunk)  # fmt: skip
+                  target_token_chunk=cli.model.target_settings.token_chunk)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -25,13 +25,13 @@ from jsonargparse import Namespace
 from lightning_eagle.commands.cli import RUN_CLASSES, Eagle3CLI
 from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.draft.config import Eagle3DraftConfig
-from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.k3.config import KimiK3TextConfig
 from lightning_eagle.k3.target_spec import TargetSpec
+from lightning_eagle.parallel.layout import LAYOUT_SETTINGS, ParallelLayout
 from lightning_eagle.parallel.memory import GB
 from lightning_eagle.parallel.memory_plan import PlanInputs, build_plan, format_plan, plan_header, smallest_fit, verdict
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
-from lightning_eagle.training.module import MODULE_DRAFT_FIELDS
+from lightning_eagle.run_settings import DraftSettings, ObjectiveSettings, TargetSettings
 
 
 class PlanConfigError(ValueError):
@@ -168,23 +168,21 @@ def _target_config(value: str, fallback: str | None) -> tuple[KimiK3TextConfig, 
     return config, None, label, [notice]
 
 
-def _target_spec(model: Namespace, fallback: str | None) -> tuple[TargetSpec, str, list[str]]:
-    """The run's target as the module would build it (``TargetSpec``: taps, stream, dtype, expert storage)."""
-    config, path, label, notices = _target_config(model.target, fallback)
+def _settings(model: Namespace, group: str, kind: type):
+    """``model.<group>`` made into its settings type, as ``fit`` makes it (the type's own check, key-named)."""
+    value = model.get(group)
+    if isinstance(value, kind):
+        return value
     try:
-        spec = TargetSpec.from_config(
-            config, path=path, dtype=model.target_dtype, expert_storage=model.target_expert_storage,
-            aux_layer_ids=model.aux_layer_ids, aux_stream=model.aux_stream,
-        )  # fmt: skip
-    except ValueError as err:
-        raise PlanConfigError("model.target" if "model_type" in str(err) else "model.aux_layer_ids", str(err)) from None
-    return spec, label, notices
+        return kind(**(vars(value) if isinstance(value, Namespace) else dict(value or {})))
+    except (TypeError, ValueError) as err:
+        raise PlanConfigError(f"model.{group}", str(err)) from None
 
 
-def _layout(
-    trainer: Namespace, world: int | None, ep: int | None, shard_dense: bool | None
-) -> tuple[int, int, int, int, bool | None]:
-    """(nodes, GPUs per node, world, expert-parallel size, dense sharding) from ``trainer`` and the overrides."""
+def _layout(trainer: Namespace, world: int | None, ep: int | None,
+            shard_dense: bool | None) -> tuple[int, int, ParallelLayout]:  # fmt: skip
+    """(nodes, GPUs per node, the layout) from ``trainer`` and the overrides: the strategy's own
+    :class:`ParallelLayout` (its settings, checked by it), or a replicated target for any other strategy."""
     nodes = _positive_int(trainer.num_nodes, "trainer.num_nodes")
     gpus = _devices(trainer.devices)
     if world is None:
@@ -194,31 +192,18 @@ def _layout(
         world = nodes * gpus
     gpus = gpus or max(world // nodes, 1)
     if _is_expert_parallel(trainer.strategy):
-        settings = trainer.strategy.init_args
-        if ep is None:
-            ep = _positive_int(settings.expert_parallel_size, "trainer.strategy.init_args.expert_parallel_size")
-        if shard_dense is None:
-            shard_dense = settings.get("target_shard_dense")
+        settings = {k: v for k, v in vars(trainer.strategy.init_args).items() if k in LAYOUT_SETTINGS}
     else:  # single device / DDP: every rank holds the whole target
-        ep = 1 if ep is None else ep
-        shard_dense = False if shard_dense is None else shard_dense
-    return nodes, gpus, world, ep, shard_dense
-
-
-def _plan_refusal(message: str) -> str:
-    """The field a ``PlanInputs`` refusal is about."""
-    if "attention_backend" in message:
-        return "model.attention_backend"
-    if "draft_sequence_parallel_size" in message:
-        return "trainer.strategy.init_args.draft_sequence_parallel_size"
-    for name in ("loss_backend", "loss_chunk", "ttt_kv_cache", "target_token_chunk"):
-        if message.startswith(name):
-            return f"model.{name}"
-    if "expert_storage" in message:
-        return "model.target_expert_storage"
-    if message.startswith("draft "):
-        return "model.draft"
-    return "trainer.strategy.init_args.expert_parallel_size"
+        settings = {"target_shard_dense": False}
+    if ep is not None:
+        settings["expert_parallel_size"] = ep
+    if shard_dense is not None:
+        settings["target_shard_dense"] = shard_dense
+    try:
+        layout = ParallelLayout(**settings, world_size=world)
+    except ValueError as err:
+        raise PlanConfigError("trainer.strategy.init_args", str(err)) from None
+    return nodes, gpus, layout
 
 
 def run_config_from_yaml(
@@ -232,53 +217,39 @@ def run_config_from_yaml(
     reserve_gb: float = 4.0,
     moe_load_factor: float = 1.25,
 ) -> RunConfig:
-    """Read a LightningCLI YAML (``trainer``, ``model``, ``data``) into :class:`PlanInputs`; whatever it leaves out
-    has the default of ``Trainer``, ``Eagle3Module``, the data module and ``ExpertParallelStrategy``."""
+    """Read a LightningCLI YAML (``trainer``, ``model``, ``data``) into :class:`PlanInputs`: the module's own settings
+    groups (defaults included), the strategy's layout, the data module's batch and length."""
     config = parse_run_config(path)
     trainer, model, data = config.trainer, config.model, config.data.init_args
-    nodes, gpus, world, ep, shard_dense = _layout(trainer, world, ep, shard_dense)
-    draft_sp = 1
-    if _is_expert_parallel(trainer.strategy):
-        draft_sp = _positive_int(
-            trainer.strategy.init_args.get("draft_sequence_parallel_size", 1),
-            "trainer.strategy.init_args.draft_sequence_parallel_size",
-        )
-    if model.target_source != "online":
-        raise PlanConfigError("model.target_source", f"{model.target_source!r} is not modelled (only 'online')")
-    spec, label, notices = _target_spec(model, target_config)
-    overrides = dict(model.draft or {})
-    doubled = sorted(set(overrides) & set(MODULE_DRAFT_FIELDS))
-    if doubled:
-        raise PlanConfigError(f"model.draft.{doubled[0]}", f"set {MODULE_DRAFT_FIELDS[doubled[0]]} instead")
-    ttt_steps = _positive_int(model.ttt_steps, "model.ttt_steps")
+    nodes, gpus, layout = _layout(trainer, world, ep, shard_dense)
+    target = _settings(model, "target", TargetSettings)
+    draft_settings = _settings(model, "draft", DraftSettings)
+    objective = _settings(model, "objective", ObjectiveSettings)
+    target_config_, folder, label, notices = _target_config(target.path, target_config)
+    try:
+        spec = TargetSpec.from_settings(target, config=target_config_ if folder is None else None)
+    except ValueError as err:
+        raise PlanConfigError("model.target", str(err)) from None
     for key in ("batch_size", "max_length"):
         if key not in data:
             raise PlanConfigError("data", f"{config.data.class_path} has no {key}: the plan needs it")
     try:  # as Eagle3Module builds it
         draft = Eagle3DraftConfig.from_target_config(
-            spec.config, **overrides, draft_vocab_size=data.get("draft_vocab_size"),
+            spec.config, **draft_settings.config, draft_vocab_size=data.get("draft_vocab_size"),
             aux_hidden_state_stream=spec.aux_stream, aux_layer_ids=list(spec.aux_layer_ids),
         )  # fmt: skip
     except (TypeError, ValueError) as err:
-        raise PlanConfigError("model.draft", str(err)) from None
+        raise PlanConfigError("model.draft.config", str(err)) from None
     try:
         inputs = PlanInputs.for_target(
-            spec, draft, world=world, ep=ep, shard_dense=shard_dense, draft_shard=model.draft_shard,
-            draft_dtype=DTYPES[model.draft_dtype], batch_size=_positive_int(data.batch_size, "data.batch_size"),
-            seq_len=_positive_int(data.max_length, "data.max_length"), ttt_steps=ttt_steps,
-            attention_backend=model.attention_backend,
-            activation_checkpointing=model.draft_activation_checkpointing,
+            spec, draft, target, layout=layout, draft_settings=draft_settings, objective=objective,
+            batch_size=_positive_int(data.batch_size, "data.batch_size"),
+            seq_len=_positive_int(data.max_length, "data.max_length"),
             accumulate_grad_batches=_positive_int(trainer.accumulate_grad_batches, "trainer.accumulate_grad_batches"),
-            teacher_vocab_chunk=_positive_int(model.teacher_vocab_chunk, "model.teacher_vocab_chunk"),
-            teacher_seq_chunk=_positive_int(model.teacher_seq_chunk, "model.teacher_seq_chunk"),
-            loss_backend=model.loss_backend, loss_chunk=_positive_int(model.loss_chunk, "model.loss_chunk"),
-            ttt_kv_cache=model.ttt_kv_cache, target_token_chunk=model.target_token_chunk, draft_sp=draft_sp,
             device=device, moe_load_factor=moe_load_factor, reserve_bytes=int(reserve_gb * GB),
         )  # fmt: skip
-    except PlanConfigError:
-        raise
-    except ValueError as err:
-        raise PlanConfigError(_plan_refusal(str(err)), str(err)) from None
+    except ValueError as err:  # the message names the setting (the run settings', the layout's, the plan's own)
+        raise PlanConfigError("the run", str(err)) from None
     return RunConfig(inputs, gpus, nodes, notices, label)
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -184,8 +183,3 @@ def bundled_sample_path() -> Path:
             "regenerate it with python -m lightning_eagle.commands.synthetic_corpus"
         )
     return path
-
-
-if __name__ == "__main__":  # the command line moved above the library; say where, run nothing
-    print("moved: use python -m lightning_eagle.commands.synthetic_corpus with the same arguments", file=sys.stderr)
-    raise SystemExit(2)

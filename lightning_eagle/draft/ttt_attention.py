@@ -1,8 +1,9 @@
 """TTT attention at step k (`eagle3_training.md` §4.2, §8): queries of step k attend to the step-0 keys through the
 causal ∧ key-not-pad block, plus one diagonal column per cached later step (slot t sees its own keys of steps 1..k).
 
-Backends (the setting ``attention_backend``, :data:`TTT_ATTENTION_BACKEND`; all take ``(q [B,n,T,d_qk], cache,
-scale)`` and return ``o [B,n,T,d_v]``):
+Backends (the setting ``model.draft.attention_backend``, registry
+:data:`~lightning_eagle.backends.TTT_ATTENTION_BACKEND`; all take ``(q [B,n,T,d_qk], cache, scale)`` and return
+``o [B,n,T,d_v]``):
 
 * ``"eager"`` — the readable twin and the reference's exact formulation: materialises the ``[B,n,T,T+k]`` scores and
   fp32 probabilities. Default; used by the golden test.
@@ -22,10 +23,10 @@ scale)`` and return ``o [B,n,T,d_v]``):
 * ``"flex_attention"`` — the same concatenated keys through compiled ``flex_attention`` with a block mask: fully masked
   128×128 tiles are skipped, so step k costs about one causal block plus k diagonal tiles per query tile. CUDA is its
   home; torch 2.13 has no flex backward on CPU, so on CPU it runs forward-only (unfused) and refuses gradients.
-* ``"auto"`` — resolves per call from ``q.device`` through the registry's rule, :func:`default_ttt_attention`.
+* ``"auto"`` — resolves per call from ``q.device`` through the registry's rule.
 
-Per-device rule (:func:`default_ttt_attention`): CUDA → ``flex_attention`` when Triton can compile it, else
-``sdpa_mask``; any other device → ``flash_lse`` (the fused CPU flash kernel on CPU).
+Per-device rule (:func:`~lightning_eagle.backends.default_ttt_attention`): CUDA → ``flex_attention`` when Triton
+can compile it, else ``sdpa_mask``; any other device → ``flash_lse`` (the fused CPU flash kernel on CPU).
 """
 
 from __future__ import annotations
@@ -37,41 +38,30 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from lightning_eagle.backends import AUTO, BackendRegistry
+from lightning_eagle import backends
+from lightning_eagle.backends import AUTO
 from lightning_eagle.draft.block_attention import BlockRule, accumulate_dtype, default_kernel
 from lightning_eagle.draft.cache import TTTCache
 
 TTTAttention = Callable[[torch.Tensor, TTTCache, float], torch.Tensor]
-TTT_ATTENTION_BACKEND = BackendRegistry(
-    setting="attention_backend",
-    what="TTT attention backend",
-    names={
-        "eager": "[B,n,T,T+k] scores and fp32 probabilities: the readable twin, the reference's formulation",
-        "flash_lse": "LSE-returning causal block + k diagonal columns merged through the LSE: no [B,n,T,T+k]",
-        "sdpa_mask": "one SDPA call over the concatenated keys with a boolean mask (fused on CUDA)",
-        "flex_attention": "compiled flex_attention with a block mask: masked tiles skipped (CUDA; forward-only on CPU)",
-    },
-    # Looked up at call time, so the per-device rule has one home (and a test can swap it).
-    auto=lambda device: default_ttt_attention(device),
-)
 _KERNELS: dict[str, TTTAttention] = {}
 
 
 def register_ttt_attention(name: str, fn: TTTAttention, why: str = "registered by the user") -> None:
     """Add (or replace) the backend ``name``; ``attention_backend: name`` then selects ``fn``."""
-    global TTT_ATTENTION_BACKEND
-    if name != AUTO and name not in TTT_ATTENTION_BACKEND.names:
-        TTT_ATTENTION_BACKEND = TTT_ATTENTION_BACKEND.with_backend(name, why)
+    registry = backends.TTT_ATTENTION_BACKEND
+    if name != AUTO and name not in registry.names:  # the settings then accept the name too
+        backends.TTT_ATTENTION_BACKEND = registry.with_backend(name, why)
     _KERNELS[name] = fn
 
 
 def get_ttt_attention(name: str) -> TTTAttention:
     """The attention function of backend ``name`` (``"auto"``: one that resolves per call from ``q.device``)."""
-    return _KERNELS[TTT_ATTENTION_BACKEND.check(name)]
+    return _KERNELS[backends.TTT_ATTENTION_BACKEND.check(name)]
 
 
 def ttt_attention_backends() -> list[str]:
-    return sorted(TTT_ATTENTION_BACKEND.choices)
+    return sorted(backends.TTT_ATTENTION_BACKEND.choices)
 
 
 # ---- eager (the naive twin) ------------------------------------------------------------------------------------------
@@ -286,15 +276,6 @@ def ttt_block_mask(cache: TTTCache, T: int, device: torch.device) -> BlockMask:
     return cache.derived_mask(("flex_block_mask", T, kv_len, torch.device(device)), build)
 
 
-def flex_attention_available(device: torch.device | str) -> bool:
-    """Whether the fused flex kernel (forward *and* backward) can run here: a CUDA device with Triton."""
-    if torch.device(device).type != "cuda":
-        return False
-    from torch.utils._triton import has_triton
-
-    return has_triton()
-
-
 @functools.cache
 def _compiled_flex_attention():
     # flex_attention is only fused under torch.compile; eager flex materialises the scores. The KV length changes with
@@ -325,18 +306,10 @@ def flex_ttt_attention(q: torch.Tensor, cache: TTTCache, scale: float) -> torch.
     return flex_attention(q.detach(), keys.detach(), values.detach(), block_mask=block_mask, scale=scale)
 
 
-# ---- per-device choice -------------------------------------------------------------------------------------------
-def default_ttt_attention(device: torch.device | str) -> str:
-    """The backend ``"auto"`` runs on ``device``: CUDA → ``flex_attention`` (compiled) when Triton is there, else
-    ``sdpa_mask``; CPU and anything else → ``flash_lse`` (no flex backward on CPU; the fused CPU flash kernel)."""
-    if torch.device(device).type == "cuda":
-        return "flex_attention" if flex_attention_available(device) else "sdpa_mask"
-    return "flash_lse"
-
-
+# ---- per-device choice (the rule: backends.default_ttt_attention) ---------------------------------------------
 def resolved_ttt_attention(name: str, device: torch.device | str) -> TTTAttention:
     """The function backend ``name`` runs on ``device`` (``"auto"`` resolved to a concrete backend first)."""
-    return _KERNELS[TTT_ATTENTION_BACKEND.resolve(name, device)]
+    return _KERNELS[backends.TTT_ATTENTION_BACKEND.resolve(name, device)]
 
 
 def auto_ttt_attention(q: torch.Tensor, cache: TTTCache, scale: float) -> torch.Tensor:

@@ -44,8 +44,8 @@ DEFAULT_CALLBACK_PROMPT_TOKENS = 4096
 
 @runtime_checkable
 class UnrollsDraftSteps(Protocol):
-    """A training module that says how many draft steps it unrolls (``Eagle3Module``: ``model.ttt_steps``): the K
-    the callback drafts per round unless it is given one."""
+    """A training module that says how many draft steps it unrolls (``Eagle3Module``:
+    ``model.objective.ttt_steps``): the K the callback drafts per round unless it is given one."""
 
     @property
     def ttt_steps(self) -> int: ...

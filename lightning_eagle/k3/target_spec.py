@@ -17,10 +17,8 @@ from lightning_eagle.aux_layers import AUX_STREAMS, resolve_aux_layer_ids, valid
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.k3.config import KimiK3TextConfig, text_config_from_dict
 from lightning_eagle.k3.loader import config_fingerprint, resolve_target_path
+from lightning_eagle.run_settings import EXPERT_STORAGES, TARGET_DTYPES, TargetSettings
 from lightning_eagle.text_config import config_value, text_config_of
-
-EXPERT_STORAGES = ("dequantized", "mxfp4")
-TARGET_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +53,16 @@ class TargetSpec:
         ):
             if value not in allowed:
                 raise ValueError(f"target {name}={value!r} is unknown; choose one of {list(allowed)}")
+
+    @classmethod
+    def from_settings(cls, settings: TargetSettings, config: KimiK3TextConfig | None = None) -> TargetSpec:
+        """The spec of ``model.target``: its checkpoint's ``config.json`` is read, or ``config`` (a named preset the
+        memory plan was given for a folder that is not on this machine) stands in for it, with no path."""
+        kwargs = dict(dtype=settings.dtype, expert_storage=settings.expert_storage,
+                      aux_layer_ids=settings.aux_layer_ids, aux_stream=settings.aux_stream)  # fmt: skip
+        if config is not None:
+            return cls.from_config(config, **kwargs)
+        return cls.from_checkpoint(settings.path, **kwargs)
 
     @classmethod
     def from_checkpoint(

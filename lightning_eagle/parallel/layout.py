@@ -223,3 +223,54 @@ def target_parallelism(strategy: Any | None) -> TargetParallelism:
     if isinstance(strategy, TargetParallelism):
         return strategy
     return ReplicatedTarget(getattr(strategy, "world_size", 1) or 1)
+
+
+@runtime_checkable
+class DraftPlacement(Protocol):
+    """How a strategy places the draft; what ``Eagle3Module`` asks of ``trainer.strategy`` for it (draft sequence
+    parallelism and FSDP2 sharding). ``ExpertParallelStrategy`` implements it; any other strategy gets
+    :class:`SingleDraftGroup` through :func:`draft_placement`."""
+
+    @property
+    def draft_sequence_parallel_size(self) -> int: ...
+
+    @property
+    def draft_sequence_parallel_group(self) -> Any:
+        """This rank's draft sequence-parallel process group (None when the size is 1)."""
+        ...
+
+    def sequence_shard(self, length: int) -> Any:
+        """The slots this rank owns of a length-``length`` (post-shift) sequence."""
+        ...
+
+    @property
+    def world_mesh(self) -> Any:
+        """A 1-D device mesh over all ranks (what an FSDP2-sharded draft splits over)."""
+        ...
+
+
+class SingleDraftGroup:
+    """Every rank trains the whole unroll of its own rows; the draft is not sharded."""
+
+    draft_sequence_parallel_size = 1
+    draft_sequence_parallel_group = None
+
+    def __init__(self, strategy: Any | None) -> None:
+        self.strategy_name = type(strategy).__name__
+
+    def sequence_shard(self, length: int) -> None:
+        return None
+
+    @property
+    def world_mesh(self) -> Any:
+        raise ValueError(
+            "model.draft.shard=true shards the draft over ranks: use ExpertParallelStrategy with more than one rank "
+            f"(got {self.strategy_name})"
+        )
+
+
+def draft_placement(strategy: Any | None) -> DraftPlacement:
+    """The strategy itself if it implements :class:`DraftPlacement`, else :class:`SingleDraftGroup`."""
+    if isinstance(strategy, DraftPlacement):
+        return strategy
+    return SingleDraftGroup(strategy)

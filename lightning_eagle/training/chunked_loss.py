@@ -23,30 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_eagle.backends import BackendRegistry
 from lightning_eagle.draft.model import KimiK3Eagle3Draft
 from lightning_eagle.settings import DEFAULT_LOSS_CHUNK
 from lightning_eagle.training.teacher import ChunkedTeacher
-
-
-def default_loss_backend(device) -> str:
-    """``"chunked"`` on every real device: it is what lets T grow (no K × ``[B,T,N_d]`` logits and log-probs kept for
-    the backward, no ``[B,T,N_d]`` teacher), and on CPU it was also measured 2–3× faster than the plain twin for the
-    loss part (T 1024–4096, N_d 2048, H 256: the plain path streams several ``[T,N_d]`` fp32 tensors through
-    memory per step). ``"plain"`` on the meta device, whose tensors have no values for the supervised-slot selection
-    the chunked path does (a memory census runs the unroll there)."""
-    return "plain" if torch.device(device).type == "meta" else "chunked"
-
-
-LOSS_BACKEND = BackendRegistry(
-    setting="loss_backend",
-    what="TTT loss backend",
-    names={
-        "plain": "draft.logits + step_loss_fn against [B,T,N_d] teacher probs: the readable twin, every research hook",
-        "chunked": "fused lm_head + soft CE over row chunks, teacher recomputed per chunk: no [B,T,N_d] tensor",
-    },
-    auto=lambda device: default_loss_backend(device),
-)
 
 
 def check_loss_chunk(loss_chunk) -> int:

@@ -25,6 +25,7 @@ from lightning_eagle.parallel.sequence_parallel import (
     check_sequence_parallel_heads,
     global_step_loss,
     local_unroll_inputs,
+    sum_over_group,
 )
 from lightning_eagle.training.shift import shift_left
 from lightning_eagle.training.teacher import ChunkedTeacher, Teacher
@@ -165,31 +166,15 @@ def unroll_slots(
     )
 
 
-def check_sequence_parallel_settings(
-    sequence_parallel_size: int, *, num_attention_heads: int, draft_shard: bool, target_source: str, stage: str
-) -> None:
-    """What ``Eagle3Module`` does not support with ``draft_sequence_parallel_size > 1`` (yet), refused with the
-    setting's name before any weight is read. ``ttt_kv_cache="latent"`` is refused by the latent cache itself."""
-    sp = sequence_parallel_size
-    if sp == 1:
-        return
-    setting = f"trainer.strategy.init_args.draft_sequence_parallel_size={sp}"
-    check_sequence_parallel_heads(num_attention_heads, sp)
-    if draft_shard:
-        raise ValueError(
-            f"{setting} with model.draft_shard=True is not supported: the SP gradient reduction of an FSDP2-sharded "
-            "draft is untested; use draft_shard=False (the replicated draft) with sequence parallelism"
-        )
-    if target_source != "online":
-        raise ValueError(
-            f"{setting} with model.target_source={target_source!r} is not supported: the feature data module is not "
-            "known to give the ranks of a sequence-parallel group the same rows; use target_source='online'"
-        )
-    if stage == "predict":
-        raise ValueError(
-            f"{setting}: predict returns whole-sequence [K,B,T] proposals and a sequence-parallel rank has only its "
-            "slots; predict with draft_sequence_parallel_size=1"
-        )
+def sum_over_sp_group(values: tuple[torch.Tensor, ...], group: dist.ProcessGroup | None) -> tuple[torch.Tensor, ...]:
+    """Detached ``values`` summed over a draft SP group (one all-reduce; themselves without one): a rank's loss and
+    counts are its slots' part of the group's batch."""
+    values = tuple(v.detach() for v in values)
+    if group is None:
+        return values
+    flat = sum_over_group(torch.cat([v.double().reshape(-1) for v in values]), group)
+    parts = flat.split([v.numel() for v in values])
+    return tuple(p.view(v.shape).to(v.dtype) for p, v in zip(parts, values))
 
 
-__all__ = ["SequenceParallelSlots", "WholeSequence", "check_sequence_parallel_settings", "unroll_slots"]
+__all__ = ["SequenceParallelSlots", "WholeSequence", "sum_over_sp_group", "unroll_slots"]

@@ -18,7 +18,7 @@ Research hooks — pass replacements to :func:`ttt_loss`:
 * ``step_weights_fn(ttt_steps, decay) -> [K]`` (default :func:`~lightning_eagle.training.loss.step_weights`); the loss
   is ``Σ w_k L_k / Σ w_k``.
 
-``loss_backend`` (:data:`~lightning_eagle.training.chunked_loss.LOSS_BACKEND`): ``"plain"`` (default; the twin every
+``loss_backend`` (:data:`~lightning_eagle.backends.LOSS_BACKEND`): ``"plain"`` (default; the twin every
 hook above works with) or ``"chunked"`` — the fused, chunked ``lm_head`` + soft CE against a
 :class:`~lightning_eagle.training.teacher.ChunkedTeacher` (no ``[B,T,N_d]`` logits, log-probs or teacher probs per
 step; the teacher hook is called with ``chunked=True``, ``step_loss_fn`` must stay the default); ``"auto"`` picks per
@@ -38,10 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
+from lightning_eagle.backends import LOSS_BACKEND
 from lightning_eagle.draft.cache import TTTCache
 from lightning_eagle.parallel.sequence_parallel import SequenceShard, slot_positions
-from lightning_eagle.settings import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS
-from lightning_eagle.training.chunked_loss import DEFAULT_LOSS_CHUNK, LOSS_BACKEND, check_loss_chunk, chunked_step_loss
+from lightning_eagle.settings import DEFAULT_LOSS_CHUNK, DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS
+from lightning_eagle.training.chunked_loss import check_loss_chunk, chunked_step_loss
 from lightning_eagle.training.loss import soft_cross_entropy, step_weights
 from lightning_eagle.training.sequence_parallel_unroll import unroll_slots
 from lightning_eagle.training.teacher import ChunkedTeacher, Teacher, compute_teacher

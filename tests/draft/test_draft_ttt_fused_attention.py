@@ -16,6 +16,7 @@ import torch
 from test_draft_ttt_attention import assert_same, make_inputs, padding_mask, run
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
+from lightning_eagle import backends
 from lightning_eagle.draft import TTTCache
 from lightning_eagle.draft import ttt_attention as tta
 from lightning_eagle.draft.ttt_attention import (
@@ -111,12 +112,14 @@ def test_flex_refuses_gradients_on_cpu_like_torch_does():
 
 # ---- the per-device choice ----------------------------------------------------------------------------------------
 def test_default_backend_per_device(monkeypatch):
-    assert tta.default_ttt_attention("cpu") == "flash_lse"
-    assert not tta.flex_attention_available("cpu")
-    monkeypatch.setattr(tta, "flex_attention_available", lambda device: True)
-    assert tta.default_ttt_attention(torch.device("cuda", 0)) == "flex_attention"
-    monkeypatch.setattr(tta, "flex_attention_available", lambda device: False)
-    assert tta.default_ttt_attention("cuda") == "sdpa_mask"
+    assert backends.default_ttt_attention("cpu") == "flash_lse"
+    assert not backends.flex_attention_available("cpu")
+    monkeypatch.setattr(backends, "flex_attention_available", lambda device: True)
+    assert backends.default_ttt_attention(torch.device("cuda", 0)) == "flex_attention"
+    monkeypatch.setattr(backends, "flex_attention_available", lambda device: False)
+    assert backends.default_ttt_attention("cuda") == "sdpa_mask"
+    # a device that is not this machine's (the memory plan's GPUs): the Triton fact is given, not asked
+    assert backends.default_ttt_attention("cuda", flex_available=True) == "flex_attention"
 
 
 def test_auto_resolves_at_call_time(monkeypatch):
@@ -125,7 +128,7 @@ def test_auto_resolves_at_call_time(monkeypatch):
     out, grads = run(auto, *inputs, padding_mask())
     want_out, want_grads = run(flash_lse_ttt_attention, *inputs, padding_mask())
     assert torch.equal(out, want_out) and all(torch.equal(a, b) for a, b in zip(grads, want_grads))
-    monkeypatch.setattr(tta, "default_ttt_attention", lambda device: "sdpa_mask")
+    monkeypatch.setattr(backends, "default_ttt_attention", lambda device, **facts: "sdpa_mask")
     out, grads = run(auto, *inputs, padding_mask())
     want_out, want_grads = run(sdpa_mask_ttt_attention, *inputs, padding_mask())
     assert torch.equal(out, want_out) and all(torch.equal(a, b) for a, b in zip(grads, want_grads))

@@ -11,7 +11,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from eagle_helpers import data_kwargs
+from eagle_helpers import data_kwargs, eagle_module
 
 from lightning_eagle import ChatDataModule, Eagle3Module
 from lightning_eagle.data.final_norm import FINAL_NORM_TYPES, select_final_norm_type
@@ -31,7 +31,7 @@ def _trainer(root: Path, **kw) -> pl.Trainer:
 
 
 def _dump(out: Path, **kw) -> Path:
-    return dump_features(Eagle3Module(**MODULE).target_spec, ChatDataModule(**DATA), out, _trainer(out.parent), **kw)
+    return dump_features(eagle_module(**MODULE).target_spec, ChatDataModule(**DATA), out, _trainer(out.parent), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +53,11 @@ def _first_batch(data) -> dict:
 
 def _online_and_offline(features: Path, **offline_module):
     chats = ChatDataModule(**DATA)
-    online = Eagle3Module(**MODULE)
+    online = eagle_module(**MODULE)
     online_batch = _first_batch(chats)
     online.configure_model(vocab_mapping=chats.vocab_mapping)
     offline_data = HiddenStateDataModule(str(features), batch_size=DATA["batch_size"])
-    offline = Eagle3Module(**MODULE, target_source="features", **offline_module)
+    offline = eagle_module(**MODULE, target_source="features", **offline_module)
     offline_batch = _first_batch(offline_data)
     trainer = _trainer(features.parent)  # the module reads the manifest through trainer.datamodule
     trainer.datamodule = offline_data
@@ -70,7 +70,7 @@ def test_dump_writes_manifest_shards_and_the_vocab_map(fp32_dump):
     manifest = json.loads((fp32_dump / fmt.MANIFEST_NAME).read_text())
     assert manifest["hidden_states"] == "prenorm" and manifest["dtype"] == "float32"
     assert manifest["aux_layer_ids"] == [1, 3, 5] and manifest["aux_stream"] == "prefix"
-    assert manifest["target"]["config_sha256"] == Eagle3Module(**MODULE).target_fingerprint
+    assert manifest["target"]["config_sha256"] == eagle_module(**MODULE).target_fingerprint
     chats = ChatDataModule(**DATA)
     chats.setup("fit")
     assert manifest["rows"] == {"train": len(chats.train_dataset), "val": len(chats.val_dataset)}
@@ -189,14 +189,14 @@ def test_dump_refuses_a_folder_of_other_features_and_a_full_disk(tmp_path, fp32_
 
 def test_offline_run_refuses_other_features(tmp_path, fp32_dump):
     data = HiddenStateDataModule(str(fp32_dump))
-    module = Eagle3Module(**{**MODULE, "aux_layer_ids": [1, 2, 5]}, target_source="features")
+    module = eagle_module(**{**MODULE, "aux_layer_ids": [1, 2, 5]}, target_source="features")
     trainer = _trainer(tmp_path)
     trainer.datamodule, module._trainer = data, trainer
     with pytest.raises(
         ValueError, match=r"tap layers \[1, 3, 5\] \(prefix stream\), this module trains on \[1, 2, 5\]"
     ):
         module._check_target_source()
-    online = Eagle3Module(**MODULE)
+    online = eagle_module(**MODULE)
     online._trainer = trainer
     with pytest.raises(ValueError, match="the data module holds dumped features: set model.target_source='features'"):
         online._check_target_source()
@@ -217,7 +217,7 @@ def test_expert_parallel_dump_equals_the_single_process_dump(tmp_path, fp32_dump
     strategy = ExpertParallelStrategy(expert_parallel_size=2, start_method="fork")
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(tmp_path))  # fmt: skip
-    out = dump_features(Eagle3Module(**MODULE).target_spec, ChatDataModule(**DATA), tmp_path / "ep", trainer,
+    out = dump_features(eagle_module(**MODULE).target_spec, ChatDataModule(**DATA), tmp_path / "ep", trainer,
                         dtype="float32", shard_rows=64)  # fmt: skip
     ep, single = (json.loads((d / fmt.MANIFEST_NAME).read_text()) for d in (out, fp32_dump))
     assert [s["rows"] for s in ep["shards"]] == [s["rows"] for s in single["shards"]]

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
+from eagle_helpers import eagle_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -40,7 +41,7 @@ def _chats(corpus: Path, max_length: int) -> ChatDataModule:
 
 
 def _dump(corpus: Path, max_length: int, out: Path, **kw) -> Path:
-    spec = Eagle3Module(**MODULE).target_spec
+    spec = eagle_module(**MODULE).target_spec
     return dump_features(spec, _chats(corpus, max_length), out, _trainer(out.parent), dtype="float32", **kw)
 
 
@@ -72,7 +73,7 @@ class LargestTensors(TorchDispatchMode):
 
 
 def _offline_module(features: Path, data: HiddenStateDataModule) -> Eagle3Module:
-    module = Eagle3Module(**MODULE, target_source="features")
+    module = eagle_module(**MODULE, target_source="features")
     trainer = _trainer(features.parent)  # the module reads the manifest through trainer.datamodule
     trainer.datamodule, module._trainer = data, trainer
     module.configure_model(vocab_mapping=data.vocab_mapping)
@@ -99,7 +100,7 @@ def _step(module: Eagle3Module, batch: dict, backend: str):
 def _check_long_rows(tmp_path: Path, min_tokens: int, max_tokens: int, max_length: int, token_chunk: int):
     corpus = write_long_corpus(tmp_path / "long.jsonl", 4, seed=0, min_tokens=min_tokens, max_tokens=max_tokens)
     budget = 2 * max_tokens  # two rows per shard at most: the 4 rows in >= 2 shards of different sizes
-    vocab = Eagle3Module(**MODULE).target_config.vocab_size
+    vocab = eagle_module(**MODULE).target_config.vocab_size
     with LargestTensors(min_tokens, {vocab}) as seen:
         chunked = _dump(corpus, max_length, tmp_path / "chunked", shard_tokens=budget, target_token_chunk=token_chunk)
     # no [T,T] ([C,T] at most) and no [T,V] logits: the dump keeps hidden states only
@@ -179,7 +180,7 @@ def test_dump_batches_are_longest_first_within_a_shard():
 
 
 def test_dump_settings_are_refused_by_name(tmp_path):
-    spec = Eagle3Module(**MODULE).target_spec
+    spec = eagle_module(**MODULE).target_spec
     for name, value in (("shard_tokens", 0), ("target_token_chunk", -1), ("shard_rows", 0)):
         kw = {"shard_rows": 4, name: value}
         with pytest.raises(ValueError, match=rf"dump\.{name} must be an integer > 0, got {value}"):

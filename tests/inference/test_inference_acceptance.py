@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from eagle_helpers import eagle_module
 from inference_helpers import make_draft, make_target
 
 from lightning_eagle.data import synthetic_k3_tokenizer
@@ -120,7 +121,6 @@ def test_callback_logs_tau_real_during_validation(tmp_path, chat_file):
     from lightning_eagle.data.datamodule import ChatDataModule
     from lightning_eagle.inference.callback import AcceptanceCallback
     from lightning_eagle.k3.writer import save_k3_checkpoint
-    from lightning_eagle.training.module import Eagle3Module
 
     target_dir = save_k3_checkpoint(make_target(seed=24, **SYNTHETIC), tmp_path / "target", mxfp4=False)
     rows = CHATS * 4  # 8 rows, 2 held out
@@ -130,7 +130,7 @@ def test_callback_logs_tau_real_during_validation(tmp_path, chat_file):
         train_files=str(data_file), max_length=160, batch_size=2, val_fraction=0.25, thinking_effort=None,
         draft_vocab_size=320, use_cache=False,
     )  # fmt: skip
-    module = Eagle3Module(
+    module = eagle_module(
         target=str(target_dir), aux_layer_ids=[1, 3, 5], target_dtype="float32", ttt_steps=2,
         draft={"intermediate_size": 64},
     )  # fmt: skip

@@ -9,9 +9,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from eagle_helpers import eagle_module
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_eagle import Eagle3Module
 from lightning_eagle.data import ChatDataModule
 from lightning_eagle.parallel.dense_shard import is_sharded
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
@@ -44,7 +44,7 @@ class Sharding(pl.Callback):
 
 def _fit(golden_dir, out: Path, devices: int, shard: bool, max_steps: int = STEPS, ckpt_path=None):
     out.mkdir(parents=True, exist_ok=True)
-    module = Eagle3Module(
+    module = eagle_module(
         target=str(golden_dir / "target"), aux_layer_ids=[1, 3, 4], target_dtype="float32", ttt_steps=2,
         draft={"intermediate_size": 64}, draft_shard=shard, optimizer=_sgd,
     )  # fmt: skip

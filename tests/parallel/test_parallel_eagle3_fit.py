@@ -28,6 +28,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from eagle_helpers import grouped_settings
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_eagle import Eagle3Module
@@ -45,14 +46,9 @@ NUM_EXPERTS, NUM_MOE_LAYERS = 8, 7  # golden target: 8 layers, the first one den
 
 
 def module_kwargs(golden_dir: Path) -> dict:
-    return {
-        "target": str(golden_dir / "target"),
-        "aux_layer_ids": [1, 3, 4],
-        "target_dtype": "float32",
-        "ttt_steps": 2,
-        "lr": 1e-3,
-        "draft": {"intermediate_size": 64},
-    }
+    flat = {"target": str(golden_dir / "target"), "aux_layer_ids": [1, 3, 4], "target_dtype": "float32",
+            "ttt_steps": 2, "lr": 1e-3}  # fmt: skip
+    return grouped_settings(flat, {"intermediate_size": 64})
 
 
 DATA_KWARGS = {

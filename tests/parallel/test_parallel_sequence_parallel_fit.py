@@ -23,6 +23,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from eagle_helpers import grouped_settings
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_eagle import Eagle3Module
@@ -38,10 +39,9 @@ DATA_KWARGS = {"max_length": 96, "batch_size": 1, "thinking_effort": None, "draf
 
 
 def module_kwargs(golden_dir: Path, **overrides) -> dict:
-    return {
-        "target": str(golden_dir / "target"), "aux_layer_ids": [1, 3, 4], "target_dtype": "float32",
-        "ttt_steps": 3, "lr": 1e-3, "draft": {"intermediate_size": 64}, **SP_SETTINGS, **overrides,
-    }  # fmt: skip
+    flat = {"target": str(golden_dir / "target"), "aux_layer_ids": [1, 3, 4], "target_dtype": "float32",
+            "ttt_steps": 3, "lr": 1e-3, **SP_SETTINGS, **overrides}  # fmt: skip
+    return grouped_settings(flat, {"intermediate_size": 64})
 
 
 class _Indexed(torch.utils.data.Dataset):

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from lightning_eagle.backends import LOSS_BACKEND, default_loss_backend
 from lightning_eagle.draft import KimiK3Eagle3Draft
 from lightning_eagle.training import soft_cross_entropy, ttt_loss
-from lightning_eagle.training.chunked_loss import LOSS_BACKEND, default_loss_backend
 from lightning_eagle.training.teacher import (
     ChunkedTeacher,
     chunked_teacher_from_hidden,

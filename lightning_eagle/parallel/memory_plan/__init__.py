@@ -52,12 +52,11 @@ The files, one idea each: :mod:`.inputs` (what the plan reads), :mod:`.draft_sha
 
 from lightning_eagle.parallel.memory_plan.draft_shapes import DraftShapes, draft_shapes
 from lightning_eagle.parallel.memory_plan.fit import Fit, legal_ep_sizes, smallest_fit
-from lightning_eagle.parallel.memory_plan.inputs import MODELLED_BACKENDS, PHASES, RESIDENT, PlanInputs
+from lightning_eagle.parallel.memory_plan.inputs import PHASES, RESIDENT, PlanInputs
 from lightning_eagle.parallel.memory_plan.plan import MemoryPlan, Term, build_plan
 from lightning_eagle.parallel.memory_plan.report import format_plan, plan_header, verdict
 
 __all__ = [
-    "MODELLED_BACKENDS",
     "PHASES",
     "RESIDENT",
     "DraftShapes",

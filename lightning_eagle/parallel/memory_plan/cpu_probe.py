@@ -2,11 +2,11 @@
 to provide (``benchmarks/long_context.py`` and the measured plan tests).
 
 Run the process with :data:`PROBE_ENV`: glibc then serves every block of 64 KiB or more from ``mmap`` and returns it
-on free (freed tensors leave the RSS at once), and oneDNN is capped at AVX-512 without its bf16/AMX kernels. On a CPU
-with AVX512-BF16 or AMX those kernels keep a per-thread scratchpad that grows to the largest bf16 GEMM seen and is
-never freed (about 110 MB more for the MEDIUM target's token-chunked forward on an AMD EPYC with AVX512-BF16): a CPU
-library's cache, not a tensor of the plan, and absent on CPUs without those ISAs. With the cap the same probe measures
-the same bytes on every x86 CPU (a cap above what a CPU has changes nothing there). A phase's peak is ``peak() − rss()`` taken before it, after
+on free (freed tensors leave the RSS at once), and oneDNN is capped at AVX-512 without its bf16/AMX kernels. Where a
+CPU has AVX512-BF16 or AMX, oneDNN's bf16 kernels hold buffers of their own (measured: 242.6 MB instead of 133-135 MB
+for the MEDIUM target's token-chunked forward on an AMD EPYC with AVX512-BF16): a CPU library's, not a tensor of the
+plan, and absent on CPUs without those ISAs. Capped, the probe measures the same bytes on every x86 CPU (a cap above
+what a CPU has changes nothing there). A phase's peak is ``peak() − rss()`` taken before it, after
 ``reset_peak()``: ``/proc/self/clear_refs`` ← 5 resets the kernel's high-water mark ``VmHWM`` to the current RSS.
 RSS counts touched 4 KiB pages, so a few MB of Python and allocator bookkeeping land in every measurement.
 """

@@ -97,6 +97,8 @@ def attention_backward_ws(d: DraftDims, k: int) -> int:
     ``[k,B,n,T,·]`` fp32 stack. ``eager``: the gradients of the ``[B,n,T,T+k]`` probabilities (see below) and the
     stacked later-step K/V gradients."""
     BTn = d.BT * d.n
+    if d.concatenated:  # the kernel's dK/dV over the concatenated keys and an fp32 dq accumulator (analytic)
+        return (k + 1) * BTn * (d.d_qk + d.d_v) * d.s + BTn * d.d_qk * (d.s + FP32)
     if d.backend == "eager":
         # The two slices' zero-filled gradients and the block matmul's gradient (3 in the draft dtype), or later the
         # summed gradient with its fp32 copy and the fp32 softmax backward.

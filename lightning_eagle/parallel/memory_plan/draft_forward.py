@@ -90,6 +90,11 @@ class DraftDims:
         return self.s == FP32
 
     @property
+    def concatenated(self) -> bool:
+        """A backend that runs one kernel over the concatenated keys of every step so far."""
+        return self.backend in ("sdpa_mask", "flex_attention")
+
+    @property
     def latent(self) -> bool:
         return self.kv_cache == "latent"
 
@@ -163,6 +168,8 @@ def attention_core_saved(d: DraftDims, k: int) -> int:
     ``K_0``/``V_0`` that step expanded for its kernel (:func:`expanded_kv_bytes`; ``eager``: ``K_0`` and the
     contiguous copy of ``V_0`` its matmul saves); ``eager`` expands the later steps too, but keeps only their stacked
     copies."""
+    if d.concatenated:
+        return concatenated_attention_saved(d, k)
     if d.backend == "flash_lse":
         expanded_block = expanded_kv_bytes(d) if d.latent else 0
     elif d.sp == 1:  # the block matmul saves a contiguous copy of V_0 (a strided view of the kv_b output)
@@ -175,6 +182,17 @@ def attention_core_saved(d: DraftDims, k: int) -> int:
     probs = d.B * d.n * d.T * (d.T_keys + k) * (FP32 if d.fp32 else FP32 + d.s)
     diagonal = (k * (d.d_qk + d.d_v) + d.d_qk) * d.BT * d.n * d.s if k else 0
     return probs + diagonal + expanded_block
+
+
+def concatenated_attention_saved(d: DraftDims, k: int) -> int:
+    """``sdpa_mask`` / ``flex_attention`` (CUDA; analytic, not censused): one fused kernel over the concatenated keys
+    ``[K_0 ; … ; K_k]`` saves the concatenated K and V (``(k+1)·T`` keys per row, a new tensor each step), its
+    output and the fp32 LSE; ``sdpa_mask`` also its boolean ``[B,1,T,(k+1)·T]`` mask and the additive bias of the
+    same shape in the draft dtype that the memory-efficient kernel makes of it (flex's block mask is tile-sized)."""
+    concatenated = (k + 1) * d.BT * d.n * (d.d_qk + d.d_v) * d.s
+    out = d.BT * d.n * (d.d_v * d.s + FP32)
+    mask = d.B * d.T_keys * (k + 1) * d.T_keys * (1 + d.s) if d.backend == "sdpa_mask" else 0
+    return concatenated + out + mask
 
 
 def attention_output_saved(d: DraftDims) -> int:
@@ -266,7 +284,7 @@ def cache_entry_kept(d: DraftDims, k: int, checkpointing: bool) -> int:
         kv_a = d.BT * (d.kv_lora + d.d_rope) * d.s
         keeps_kv_a = d.fp32 or (d.backend == "flash_lse" and k > 0)
         return d.BT * d.kv_lora * d.s + (kv_a if keeps_kv_a else 0)
-    if d.backend == "eager" and k > 0:
+    if d.concatenated or (d.backend == "eager" and k > 0):  # only the concatenation (or the stack) is saved
         return 0
     if d.backend == "eager" and d.sp == 1:  # K_0 only: V_0's matmul saved a copy (attention_core_saved)
         return d.BT * d.n * d.d_qk * d.s

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from lightning_eagle.parallel.memory import target_shapes
 from lightning_eagle.parallel.memory_plan.draft_shapes import draft_shapes
@@ -30,7 +30,7 @@ def smallest_fit(inputs: PlanInputs, gpu_bytes: int, gpus_per_node: int, max_nod
     for nodes in range(1, max_nodes + 1):
         world = nodes * gpus_per_node
         for ep in legal_ep_sizes(inputs.target.num_experts, world):
-            layout = replace(inputs, world=world, ep=ep)
+            layout = inputs.with_world(world, ep)
             if sum(t.nbytes for t in resident_terms(layout, target, draft)) > gpu_bytes:
                 continue  # the weights alone do not fit: no need to plan the phases
             plan = build_plan(layout, target, draft)

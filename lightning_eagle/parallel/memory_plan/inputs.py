@@ -1,27 +1,38 @@
-"""What the memory plan is computed from: :class:`PlanInputs` (a run's target, draft, layout, micro-batch and the
-stated assumptions), checked when built, and the names of the plan's phases."""
+"""What the memory plan is computed from: :class:`PlanInputs` — a run's target config and draft config, the same
+typed settings the module runs with (:mod:`lightning_eagle.run_settings`), the strategy's :class:`ParallelLayout`,
+the micro-batch, and the stated assumptions — and the names of the plan's phases.
+
+The settings are the module's, defaults included, and were checked when they were made; ``auto`` backends are
+resolved here by the same registries ``fit`` resolves them with, for the planned device (:attr:`PlanInputs.device`;
+on CUDA the TTT attention's ``auto`` is ``flex_attention`` where Triton is there, :attr:`PlanInputs.flex_available`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from lightning_eagle.backends import LOSS_BACKEND, TTT_ATTENTION_BACKEND
 from lightning_eagle.draft.config import Eagle3DraftConfig
+from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.k3.config import KimiK3TextConfig
-from lightning_eagle.k3.target_spec import EXPERT_STORAGES
+from lightning_eagle.parallel.layout import ParallelLayout
 from lightning_eagle.parallel.memory import GB, check_ep_size
-from lightning_eagle.settings import DEFAULT_LOSS_CHUNK, DEFAULT_TTT_STEPS
+from lightning_eagle.run_settings import (
+    DraftSettings,
+    ObjectiveSettings,
+    TargetSettings,
+    check_draft_sequence_parallel,
+)
 
 if TYPE_CHECKING:
     from lightning_eagle.k3.target_spec import TargetSpec
 
 RESIDENT = "resident"
 PHASES = ("target forward", "teacher", "draft unroll", "optimizer step")
-MODELLED_BACKENDS = ("eager", "flash_lse")
-LOSS_BACKENDS = ("plain", "chunked")
-TTT_KV_CACHES = ("expanded", "latent")
 FP32 = 4  # bytes
 
 
@@ -32,77 +43,125 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class PlanInputs:
-    """Everything the plan reads from a run config (``python -m lightning_eagle.commands.memory_plan`` reads one), plus
-    the stated assumptions."""
+    """Everything the plan reads from a run config (``lightning-eagle memory-plan`` reads one), plus the stated
+    assumptions. The properties below are the plan's view of the settings: sizes and ``auto`` resolved."""
 
     target: KimiK3TextConfig
     draft: Eagle3DraftConfig  # built with the run's overrides; ``draft_vocab_size`` is N_d
-    world: int = 1
-    ep: int = 1
-    shard_dense: bool | None = None  # None: on when world > 1 (the strategy's default)
-    draft_shard: bool = False
-    target_dtype: torch.dtype = torch.bfloat16
-    expert_storage: str = "mxfp4"
-    draft_dtype: torch.dtype = torch.bfloat16
+    layout: ParallelLayout = ParallelLayout(world_size=1)
+    target_settings: TargetSettings = TargetSettings()
+    draft_settings: DraftSettings = DraftSettings()
+    objective: ObjectiveSettings = ObjectiveSettings()
     batch_size: int = 1
     seq_len: int = 4096
-    ttt_steps: int = DEFAULT_TTT_STEPS
-    attention_backend: str = "flash_lse"
-    activation_checkpointing: bool = False
     accumulate_grad_batches: int = 1
-    teacher_vocab_chunk: int = 16384
-    teacher_seq_chunk: int = 2048
-    loss_backend: str = "plain"  # "chunked": fused lm_head + soft CE with the teacher computed per chunk
-    loss_chunk: int = DEFAULT_LOSS_CHUNK  # rows per chunk of the chunked loss
-    ttt_kv_cache: str = "expanded"  # "latent": the TTT cache keeps MLA's normalised latent + rope key
-    target_token_chunk: int | None = None  # the target forward in token segments of this many tokens
-    draft_sp: int = 1  # draft sequence-parallel size: the ranks of one group share a sequence, each owns T/sp slots
-    aux_layer_ids: tuple[int, ...] | None = None  # None: the draft config's
     device: str = "cuda"
+    flex_available: bool = True  # the planned GPUs have Triton (torch's CUDA wheels ship it): auto → flex_attention
     moe_load_factor: float = 1.25
     reserve_bytes: int = int(4 * GB)
 
     def __post_init__(self) -> None:
+        if self.layout.world_size is None:
+            raise ValueError("the plan needs the world size: ParallelLayout(world_size=...)")
         check_ep_size(self.target, self.ep)
-        if self.world < 1 or self.world % self.ep:
-            raise ValueError(f"expert_parallel_size ({self.ep}) must divide the world size ({self.world})")
-        if self.attention_backend not in MODELLED_BACKENDS:
+        for name, value in (("batch_size", self.batch_size), ("seq_len", self.seq_len),
+                            ("accumulate_grad_batches", self.accumulate_grad_batches)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_draft_sequence_parallel(
+            self.draft_sp, num_attention_heads=self.draft.num_attention_heads, draft=self.draft_settings,
+            target_source=self.target_settings.source,
+        )  # fmt: skip
+        if self.target_settings.source != "online":
             raise ValueError(
-                f"attention_backend={self.attention_backend!r} is not modelled by the memory plan; "
-                f"choose one of {MODELLED_BACKENDS}"
+                f"model.target.source={self.target_settings.source!r} is not modelled by the memory plan (only "
+                "'online': a run from dumped features holds no target)"
             )
         unmodelled = {"architecture": "k3", "fc_norm": False, "norm_output": False}
         for name, value in unmodelled.items():
             if getattr(self.draft, name) != value:
-                raise ValueError(f"draft {name}={getattr(self.draft, name)!r} is not modelled by the memory plan")
-        for name, value, choices in (
-            ("loss_backend", self.loss_backend, LOSS_BACKENDS), ("ttt_kv_cache", self.ttt_kv_cache, TTT_KV_CACHES),
-        ):  # fmt: skip
-            if value not in choices:
-                raise ValueError(f"{name}={value!r} is not modelled by the memory plan; choose one of {choices}")
-        for name, value in (("loss_chunk", self.loss_chunk), ("target_token_chunk", self.target_token_chunk or 1)):
-            if value < 1:
-                raise ValueError(f"{name} must be a positive number of tokens, got {value!r}")
-        if self.draft_sp < 1 or self.world % self.draft_sp:
-            raise ValueError(
-                f"draft_sequence_parallel_size ({self.draft_sp}) must divide the world size ({self.world})"
-            )
-        if self.draft.num_attention_heads % self.draft_sp:
-            raise ValueError(
-                f"draft_sequence_parallel_size ({self.draft_sp}) must divide the draft's "
-                f"{self.draft.num_attention_heads} attention heads (Ulysses shards the heads)"
-            )
-        if self.ttt_kv_cache == "latent" and self.draft_sp > 1:
-            raise ValueError(
-                f"ttt_kv_cache='latent' with draft_sequence_parallel_size={self.draft_sp}: the latent cache has one "
-                "head, which Ulysses cannot shard (the draft refuses it too); use ttt_kv_cache='expanded'"
-            )
-        if self.expert_storage not in EXPERT_STORAGES:
-            raise ValueError(f"target_expert_storage must be one of {EXPERT_STORAGES}, got {self.expert_storage!r}")
+                raise ValueError(
+                    f"model.draft.config.{name}={getattr(self.draft, name)!r} is not modelled by the memory plan"
+                )
+
+    def with_world(self, world: int, ep: int) -> PlanInputs:
+        """The same run on ``world`` ranks at expert-parallel size ``ep``."""
+        layout = dataclasses.replace(self.layout, world_size=world, expert_parallel_size=ep)
+        return dataclasses.replace(self, layout=layout)
+
+    # ---- the plan's view of the settings -------------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def ep(self) -> int:
+        return self.layout.expert_parallel_size
+
+    @property
+    def draft_sp(self) -> int:
+        """Draft sequence-parallel size: the ranks of one group share a sequence, each owns T/sp slots."""
+        return self.layout.draft_sequence_parallel_size
 
     @property
     def dense_sharded(self) -> bool:
-        return self.shard_dense if self.shard_dense is not None else self.world > 1
+        return self.layout.dense_sharded
+
+    @property
+    def target_dtype(self) -> torch.dtype:
+        return DTYPES[self.target_settings.dtype]
+
+    @property
+    def expert_storage(self) -> str:
+        return self.target_settings.expert_storage
+
+    @property
+    def target_token_chunk(self) -> int | None:
+        return self.target_settings.token_chunk
+
+    @property
+    def draft_dtype(self) -> torch.dtype:
+        return DTYPES[self.draft_settings.dtype]
+
+    @property
+    def draft_shard(self) -> bool:
+        return self.draft_settings.shard
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.draft_settings.activation_checkpointing
+
+    @property
+    def ttt_kv_cache(self) -> str:
+        return self.draft_settings.ttt_kv_cache
+
+    @property
+    def attention_backend(self) -> str:
+        """The TTT attention that runs on the planned device (``auto`` resolved as ``fit`` resolves it there)."""
+        return TTT_ATTENTION_BACKEND.resolve(
+            self.draft_settings.attention_backend, self.device, flex_available=self.flex_available
+        )
+
+    @property
+    def ttt_steps(self) -> int:
+        return self.objective.ttt_steps
+
+    @property
+    def loss_backend(self) -> str:
+        """The TTT loss that runs on the planned device (``auto`` resolved)."""
+        return LOSS_BACKEND.resolve(self.objective.loss_backend, self.device)
+
+    @property
+    def loss_chunk(self) -> int:
+        return self.objective.loss_chunk
+
+    @property
+    def teacher_vocab_chunk(self) -> int:
+        return self.objective.teacher_vocab_chunk
+
+    @property
+    def teacher_seq_chunk(self) -> int:
+        return self.objective.teacher_seq_chunk
 
     @property
     def local_seq_len(self) -> int:
@@ -111,14 +170,13 @@ class PlanInputs:
 
     @property
     def taps(self) -> tuple[int, ...]:
-        ids = self.aux_layer_ids if self.aux_layer_ids is not None else self.draft.aux_layer_ids
-        return tuple(ids or ())
+        ids = self.target_settings.aux_layer_ids
+        return tuple(ids if ids is not None else (self.draft.aux_layer_ids or ()))
 
     @classmethod
-    def for_target(cls, spec: TargetSpec, draft: Eagle3DraftConfig, **settings) -> PlanInputs:
-        """The inputs of a run on ``spec``'s target (its config, dtype, expert storage and taps, already validated);
-        ``settings`` are the other fields (layout, micro-batch, draft training settings, assumptions)."""
-        return cls(
-            target=spec.config, draft=draft, target_dtype=spec.torch_dtype, expert_storage=spec.expert_storage,
-            aux_layer_ids=tuple(spec.aux_layer_ids), **settings,
-        )  # fmt: skip
+    def for_target(cls, spec: TargetSpec, draft: Eagle3DraftConfig, target_settings: TargetSettings,
+                   **settings) -> PlanInputs:  # fmt: skip
+        """The inputs of a run on ``spec``'s target (its config and resolved taps, already validated); ``settings``
+        are the other fields (layout, settings groups, micro-batch, assumptions)."""
+        resolved = dataclasses.replace(target_settings, aux_layer_ids=tuple(spec.aux_layer_ids))
+        return cls(target=spec.config, draft=draft, target_settings=resolved, **settings)

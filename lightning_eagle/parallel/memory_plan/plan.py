@@ -180,7 +180,9 @@ def draft_unroll_terms(inputs: PlanInputs, draft: DraftShapes) -> list[Term]:
     teacher_bytes, teacher_note = teacher_kept_bytes(inputs)
     kept_outside = "final norms, log-probs" if inputs.loss_backend == "plain" else "the chunked loss's step outputs"
     saved_note = f"checkpointed: step inputs, {kept_outside}" if ckpt else "what autograd saves per step"
-    shared_note = "eager's [B,1,T,T] additive mask" if d.backend == "eager" else "no mask (flash_lse: CausalBlock)"
+    shared_note = {"eager": "eager's [B,1,T,T] additive mask", "flash_lse": "no mask (flash_lse: CausalBlock)"}.get(
+        d.backend, f"no mask held across steps ({d.backend}: each step's, in its attention core)"
+    )
     if inputs.target_dtype != inputs.draft_dtype:
         shared_note += ", fc input cast to the draft dtype"
     terms = [

@@ -1,0 +1,269 @@
+"""A run's settings, typed and validated once where they are made: the groups of ``model:`` in a run config.
+
+```yaml
+model:
+  target:       {path: quickstart, aux_layer_ids: [1, 3, 5], dtype: float32, token_chunk: null}
+  draft:        {config: {intermediate_size: 256}, attention_backend: auto, activation_checkpointing: false}
+  objective:    {ttt_steps: 7, step_decay: 0.8, loss_backend: plain}
+  optimization: {lr: 3.0e-3, warmup_ratio: 0.05}
+```
+
+Each group is a frozen dataclass: LightningCLI (jsonargparse) reads the YAML into it, the module, the feature dumper,
+the acceptance callback, the commands and the memory plan take it as it is, and its ``__post_init__`` is the one
+check of its values (messages name the YAML key, ``model.objective.ttt_steps``). Backend names are checked by their
+registries (:mod:`lightning_eagle.backends`); what needs the target's config (tap ids against its depth) is checked
+when the :class:`~lightning_eagle.k3.target_spec.TargetSpec` is made from these settings.
+
+A run config in the flat shape these groups replaced (``model.ttt_steps``) is refused by
+:func:`refuse_flat_model_keys` with the key's place here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lightning_eagle import backends
+from lightning_eagle.aux_layers import AUX_STREAMS
+from lightning_eagle.settings import (
+    DEFAULT_LOSS_CHUNK,
+    DEFAULT_STEP_DECAY,
+    DEFAULT_TTT_STEPS,
+    check_positive_int_or_none,
+    check_settings,
+)
+
+TARGET_SOURCES = ("online", "features")
+TARGET_DTYPES = ("float32", "bfloat16", "float16")
+DRAFT_DTYPES = TARGET_DTYPES
+EXPERT_STORAGES = ("dequantized", "mxfp4")
+TTT_KV_CACHES = ("expanded", "latent")
+MAX_USEFUL_TTT_STEPS = 16  # past this the settings warn: engines draft 3-8 tokens, decay^k leaves later steps ~0
+
+
+def _choice(key: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _flag(key: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TargetSettings:
+    """``model.target``: the frozen K3 and how it runs.
+
+    ``path``: a K3 checkpoint folder (released layout) or ``"quickstart"``; ``source``: ``"online"`` runs the target
+    every step, ``"features"`` trains from a dump (``cli.py dump``; only the teacher head is loaded);
+    ``aux_layer_ids``: the three 0-based taps (None: ``[1, L//2-1, L-4]``); ``aux_stream``: ``"prefix"`` or
+    ``"mixed"``; ``dtype`` (the fp32 islands stay fp32); ``expert_storage``: ``"mxfp4"`` keeps routed experts packed;
+    ``token_chunk``: run the target layer by layer in segments of this many tokens (None: the whole sequence).
+    """
+
+    path: str = "quickstart"
+    source: Literal["online", "features"] = "online"
+    aux_layer_ids: tuple[int, ...] | None = None
+    aux_stream: Literal["prefix", "mixed"] = "prefix"
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    expert_storage: Literal["dequantized", "mxfp4"] = "dequantized"
+    token_chunk: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"model.target.path must be a checkpoint folder or 'quickstart', got {self.path!r}")
+        _choice("model.target.source", self.source, TARGET_SOURCES)
+        _choice("model.target.aux_stream", self.aux_stream, AUX_STREAMS)
+        _choice("model.target.dtype", self.dtype, TARGET_DTYPES)
+        _choice("model.target.expert_storage", self.expert_storage, EXPERT_STORAGES)
+        if self.aux_layer_ids is not None:
+            object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
+        check_positive_int_or_none("model.target.token_chunk", self.token_chunk, "tokens per segment", "unchunked")
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """``model.draft``: the draft and how it is built and run.
+
+    ``config``: fields of the draft config to override (``{"intermediate_size": 4096, "architecture":
+    "deepseek_mla"}``); the taps, their stream and the draft vocabulary come from ``model.target`` and the data
+    module, never from here. ``attention_backend``: TTT attention (``"auto"`` per device, or ``"eager"``,
+    ``"flash_lse"``, ``"sdpa_mask"``, ``"flex_attention"``); ``ttt_kv_cache``: ``"expanded"`` or ``"latent"``
+    (MLA's latent + rope key per step); ``activation_checkpointing``: recompute each TTT step in the backward;
+    ``shard``: FSDP2-shard the draft's parameters, gradients and AdamW states over all ranks; ``init_seed``: the
+    draft's random init, the same on every rank; ``dtype``: its training dtype.
+    """
+
+    config: dict[str, Any] | None = None
+    attention_backend: str = "auto"
+    ttt_kv_cache: Literal["expanded", "latent"] = "expanded"
+    activation_checkpointing: bool = False
+    shard: bool = False
+    init_seed: int = 0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    def __post_init__(self) -> None:
+        if self.config is not None and not isinstance(self.config, Mapping):
+            raise ValueError(f"model.draft.config must be a mapping of draft config fields, got {self.config!r}")
+        doubled = sorted(set(self.config or {}) & set(DRAFT_CONFIG_ELSEWHERE))
+        if doubled:
+            where = "; ".join(f"model.draft.config.{k}: set {DRAFT_CONFIG_ELSEWHERE[k]} instead" for k in doubled)
+            raise ValueError(f"{where} (a setting has one source of truth)")
+        object.__setattr__(self, "config", dict(self.config or {}))
+        try:
+            backends.TTT_ATTENTION_BACKEND.check(self.attention_backend)
+        except ValueError as err:
+            raise ValueError(f"model.draft.{err}") from None
+        _choice("model.draft.ttt_kv_cache", self.ttt_kv_cache, TTT_KV_CACHES)
+        _choice("model.draft.dtype", self.dtype, DRAFT_DTYPES)
+        _flag("model.draft.activation_checkpointing", self.activation_checkpointing)
+        _flag("model.draft.shard", self.shard)
+        check_settings("model.draft", {"init_seed": (self.init_seed, "non_negative", int)})
+
+    def __hash__(self) -> int:  # `config` is a dict: hash what identifies the settings
+        return hash((tuple(sorted(self.config.items(), key=str)) if self.config else (), self.attention_backend))
+
+
+# Draft config fields that other settings own (the draft config is built from them).
+DRAFT_CONFIG_ELSEWHERE = {
+    "ttt_steps": "model.objective.ttt_steps",
+    "step_decay": "model.objective.step_decay",
+    "aux_layer_ids": "model.target.aux_layer_ids",
+    "aux_hidden_state_stream": "model.target.aux_stream",
+    "draft_vocab_size": "data.draft_vocab_size (the data module builds the vocabulary map)",
+}
+
+
+@dataclass(frozen=True)
+class ObjectiveSettings:
+    """``model.objective``: the EAGLE-3 training-time-test objective.
+
+    ``ttt_steps`` K and ``step_decay`` (loss = Σ decay^k L_k / Σ decay^k, decay in (0, 1]); ``loss_backend``:
+    ``"plain"`` (``lm_head`` logits, then soft CE against ``[B,T,N_d]`` teacher probabilities; every research hook)
+    or ``"chunked"`` (fused, ``loss_chunk`` rows at a time, teacher recomputed per chunk; long context) or
+    ``"auto"``; ``teacher_vocab_chunk`` / ``teacher_seq_chunk``: chunks of the teacher's full-vocabulary argmax.
+    """
+
+    ttt_steps: int = DEFAULT_TTT_STEPS
+    step_decay: float = DEFAULT_STEP_DECAY
+    loss_backend: str = "plain"
+    loss_chunk: int = DEFAULT_LOSS_CHUNK
+    teacher_vocab_chunk: int = 16384
+    teacher_seq_chunk: int = 2048
+
+    def __post_init__(self) -> None:
+        check_settings("model.objective", {
+            "ttt_steps": (self.ttt_steps, "positive", int), "step_decay": (self.step_decay, "positive", float),
+            "loss_chunk": (self.loss_chunk, "positive", int),
+            "teacher_vocab_chunk": (self.teacher_vocab_chunk, "positive", int),
+            "teacher_seq_chunk": (self.teacher_seq_chunk, "positive", int),
+        })  # fmt: skip
+        if self.step_decay > 1:  # later steps would outweigh the first, which every accepted draft token needs
+            raise ValueError(f"model.objective.step_decay must be in (0, 1], got {self.step_decay!r}")
+        try:
+            backends.LOSS_BACKEND.check(self.loss_backend)
+        except ValueError as err:
+            raise ValueError(f"model.objective.{err}") from None
+        if self.ttt_steps > MAX_USEFUL_TTT_STEPS:
+            import warnings
+
+            warnings.warn(
+                f"model.objective.ttt_steps={self.ttt_steps}: engines draft 3-8 tokens and the step weights decay^k "
+                f"make steps past ~{MAX_USEFUL_TTT_STEPS} cost compute and memory for almost no signal",
+                stacklevel=3,
+            )
+
+
+@dataclass(frozen=True)
+class OptimizationSettings:
+    """``model.optimization``: AdamW (betas 0.9/0.95) with warmup-cosine; ``model.optimizer`` /
+    ``model.lr_scheduler`` callables replace them."""
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.05
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        check_settings("model.optimization", {
+            "lr": (self.lr, "positive", float), "weight_decay": (self.weight_decay, "non_negative", float),
+            "warmup_ratio": (self.warmup_ratio, "fraction_below_one", float),
+            "min_lr_ratio": (self.min_lr_ratio, "fraction", float),
+        })  # fmt: skip
+
+
+MODEL_GROUPS = {"target": TargetSettings, "draft": DraftSettings, "objective": ObjectiveSettings,
+                "optimization": OptimizationSettings}  # fmt: skip
+# The flat ``model.*`` keys these groups replaced → their place now (refused, never mapped).
+FLAT_MODEL_KEYS = {
+    "target_source": "model.target.source", "aux_layer_ids": "model.target.aux_layer_ids",
+    "aux_stream": "model.target.aux_stream", "target_dtype": "model.target.dtype",
+    "target_expert_storage": "model.target.expert_storage", "target_token_chunk": "model.target.token_chunk",
+    "attention_backend": "model.draft.attention_backend", "ttt_kv_cache": "model.draft.ttt_kv_cache",
+    "draft_activation_checkpointing": "model.draft.activation_checkpointing", "draft_shard": "model.draft.shard",
+    "draft_init_seed": "model.draft.init_seed", "draft_dtype": "model.draft.dtype",
+    **{f.name: f"model.objective.{f.name}" for f in dataclasses.fields(ObjectiveSettings)},
+    **{f.name: f"model.optimization.{f.name}" for f in dataclasses.fields(OptimizationSettings)},
+}  # fmt: skip
+
+
+def refuse_flat_model_keys(model: Mapping[str, Any] | None, where: str) -> None:
+    """``ValueError`` naming the first setting of ``model`` (a run config's ``model:`` mapping, from ``where``) that
+    is in the flat shape: an old key, ``target: PATH`` instead of ``target: {path: PATH}``, or draft config fields
+    directly under ``draft:``."""
+    if not isinstance(model, Mapping):
+        return
+    model = model.get("init_args", model) if "class_path" in model else model
+    for key in model:
+        if key in FLAT_MODEL_KEYS:
+            raise ValueError(f"{where}: model.{key} is now {FLAT_MODEL_KEYS[key]} (run settings are grouped)")
+    if "target" in model and isinstance(model["target"], str):
+        raise ValueError(f"{where}: model.target is a group now: write model.target.path: {model['target']}")
+    draft = model.get("draft")
+    if isinstance(draft, Mapping):
+        fields = {f.name for f in dataclasses.fields(DraftSettings)}
+        for key in draft:
+            if key not in fields:
+                raise ValueError(
+                    f"{where}: model.draft.{key} is now model.draft.config.{key} (draft config overrides live under "
+                    "model.draft.config)"
+                )
+
+
+def check_draft_sequence_parallel(
+    size: int, *, num_attention_heads: int, draft: DraftSettings, target_source: str, stage: str = "fit"
+) -> None:
+    """What training refuses with ``draft_sequence_parallel_size > 1``, named by setting, before any weight is read:
+    the module's ``setup`` and the memory plan call this one check."""
+    if size == 1:
+        return
+    setting = f"trainer.strategy.init_args.draft_sequence_parallel_size={size}"
+    if num_attention_heads % size:
+        raise ValueError(
+            f"{setting} must divide the draft's num_attention_heads ({num_attention_heads}): sequence-parallel "
+            "attention gives every rank of the group num_attention_heads / draft_sequence_parallel_size heads over "
+            "the whole sequence"
+        )
+    if draft.ttt_kv_cache == "latent":
+        raise ValueError(
+            f"{setting} with model.draft.ttt_kv_cache='latent' is not supported: the latent cache has one shared "
+            "head, which Ulysses cannot split over the group; use model.draft.ttt_kv_cache='expanded'"
+        )
+    if draft.shard:
+        raise ValueError(
+            f"{setting} with model.draft.shard=true is not supported: the SP gradient reduction of an FSDP2-sharded "
+            "draft is untested; use model.draft.shard=false (the replicated draft) with sequence parallelism"
+        )
+    if target_source != "online":
+        raise ValueError(
+            f"{setting} with model.target.source={target_source!r} is not supported: the feature data module is not "
+            "known to give the ranks of a sequence-parallel group the same rows; use model.target.source='online'"
+        )
+    if stage == "predict":
+        raise ValueError(
+            f"{setting}: predict returns whole-sequence [K,B,T] proposals and a sequence-parallel rank has only its "
+            "slots; predict with draft_sequence_parallel_size=1"
+        )

@@ -1,0 +1,98 @@
+"""What an ``Eagle3Module`` checkpoint holds and what a resume refuses.
+
+A checkpoint holds the draft (with its vocabulary map), its config and training settings, the target's fingerprint,
+whether the draft was FSDP2-sharded and rank 0's random streams — never the target. A resume refuses a checkpoint of
+another target, draft architecture, vocabulary map or draft sharding, naming both values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states
+
+from lightning_eagle.draft.config import TRAINING_SETTINGS
+from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY, CHECKPOINT_TRAINING_KEY
+from lightning_eagle.training.resume import MICRO_BATCH_ROWS_KEY, rng_states_to_checkpoint
+
+RNG_STATES_KEY = "eagle_rng_states"
+DRAFT_SHARDED_KEY = "eagle_draft_sharded"
+TARGET_FINGERPRINT_KEY = "eagle_target_fingerprint"
+NOT_CHECKPOINTED = ("source.", "train_metrics.", "val_metrics.")  # the target (or its teacher head) and metrics
+
+
+def draft_only(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``state`` without the target and the metrics."""
+    drop = tuple(prefix + name for name in NOT_CHECKPOINTED)
+    return {k: v for k, v in state.items() if not k.startswith(drop)}
+
+
+def draft_state(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The draft's tensors of a module state dict (keys without ``draft.``); any key of something else is refused."""
+    foreign = [k for k in state_dict if not k.startswith(("draft.", "train_metrics.", "val_metrics."))]
+    if foreign:
+        raise KeyError(f"checkpoint holds keys that are not the draft's: {foreign[:5]}")
+    return {k[len("draft.") :]: v for k, v in state_dict.items() if k.startswith("draft.")}
+
+
+def check_vocab_map(saved_d2t: torch.Tensor | None, mapping) -> None:
+    """The checkpoint's ``d2t`` must be the data module's (the draft's lm_head rows mean those tokens)."""
+    if mapping is None or saved_d2t is None:
+        return
+    saved = saved_d2t.cpu()
+    if saved.shape != mapping.d2t.shape or not torch.equal(saved, mapping.d2t.cpu()):
+        raise ValueError(
+            "the checkpoint's draft vocabulary map (d2t) differs from the data module's: the draft's lm_head rows "
+            "would mean other tokens. Use the same data/tokenizer/draft_vocab_size, or start a fresh run"
+        )
+
+
+def checkpoint_extras(module, micro_batch_rows: int | None) -> dict[str, Any]:
+    """What ``on_save_checkpoint`` adds besides the state dict."""
+    return {
+        CHECKPOINT_CONFIG_KEY: module.draft_config.to_dict(),
+        CHECKPOINT_TRAINING_KEY: {"ttt_steps": module.objective.ttt_steps, "step_decay": module.objective.step_decay},
+        TARGET_FINGERPRINT_KEY: module.target_spec.fingerprint,
+        MICRO_BATCH_ROWS_KEY: micro_batch_rows,
+        DRAFT_SHARDED_KEY: module.draft_settings.shard,
+        # Rank 0's generators (the only checkpoint written): resumed ranks continue from the same random streams.
+        RNG_STATES_KEY: rng_states_to_checkpoint(_collect_rng_states(include_cuda=torch.cuda.is_available())),
+    }
+
+
+def check_resume(module, checkpoint: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another target, draft architecture or draft sharding."""
+    saved = checkpoint.get(TARGET_FINGERPRINT_KEY)
+    if saved is not None and saved != module.target_spec.fingerprint:
+        raise ValueError(
+            f"the checkpoint was trained against another target (config fingerprint {saved}, this target "
+            f"{module.target_spec.fingerprint} at {module.target_spec.path})"
+        )
+    refuse_another_draft(checkpoint.get(CHECKPOINT_CONFIG_KEY), module.draft_config.to_dict())
+    saved_sharded, shard = checkpoint.get(DRAFT_SHARDED_KEY, False), module.draft_settings.shard
+    if saved_sharded != shard:
+        raise ValueError(
+            f"the checkpoint was written with model.draft.shard={saved_sharded} and this run has "
+            f"model.draft.shard={shard}: their optimizer states are laid out differently; resume with "
+            f"model.draft.shard={saved_sharded} (any world size of more than one rank if true)"
+        )
+
+
+def refuse_another_draft(saved: dict[str, Any] | None, ours: dict[str, Any]) -> None:
+    """A resume continues the checkpoint's draft: any architecture field (layer type, sizes, aux taps and stream,
+    norms, …) that differs is refused with both values (loading is not strict, so a changed architecture would
+    otherwise restore what fits and silently switch the run's, and its export's, layer)."""
+    if saved is None:
+        return
+    # set by the data / training settings that checkpoints written before they left the draft config hold there
+    training_only = {"draft_vocab_size", *TRAINING_SETTINGS}
+    keys = sorted(saved, key=lambda k: (k != "architecture", k))  # the layer type first: it explains the rest
+    changed = {k: (saved[k], ours.get(k)) for k in keys if k not in training_only and saved[k] != ours.get(k)}
+    if changed:
+        listed = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in changed.items())
+        raise ValueError(
+            f"the checkpoint's draft differs from this run's ({listed}): a resume cannot change the draft "
+            "architecture; resume with the checkpoint's settings or start a new run (the checkpoint's export "
+            "needs no resume: cli.py export CKPT DIR)"
+        )
