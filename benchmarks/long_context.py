@@ -52,24 +52,25 @@ LONG = {
 
 
 def plan_inputs(spec: dict, T: int):
-    import torch
 
     from lightning_eagle.draft import Eagle3DraftConfig
     from lightning_eagle.k3 import config_from_name
     from lightning_eagle.parallel.memory_plan import PlanInputs
+    from lightning_eagle.run_settings import DraftSettings, ObjectiveSettings, TargetSettings
 
     target = config_from_name("k3-tiny", **TARGET)
     draft = Eagle3DraftConfig.from_target_config(
         target, **DRAFT, aux_layer_ids=spec["aux"], draft_vocab_size=spec["N_d"]
     )  # fmt: skip
-    dtype = getattr(torch, spec["dtype"])
     return PlanInputs(
-        target=target, draft=draft, target_dtype=dtype, draft_dtype=dtype, expert_storage=spec["storage"],
-        batch_size=spec["B"], seq_len=T, ttt_steps=spec["K"], attention_backend=spec["backend"],
-        activation_checkpointing=spec["ckpt"], loss_backend=spec["loss_backend"],
-        loss_chunk=spec.get("loss_chunk", 1024), ttt_kv_cache=spec["ttt_kv_cache"],
-        target_token_chunk=spec["target_token_chunk"], accumulate_grad_batches=2, device="cpu", reserve_bytes=0,
-        aux_layer_ids=tuple(spec["aux"]),
+        target=target, draft=draft,
+        target_settings=TargetSettings(dtype=spec["dtype"], expert_storage=spec["storage"],
+                                       token_chunk=spec["target_token_chunk"], aux_layer_ids=tuple(spec["aux"])),
+        draft_settings=DraftSettings(dtype=spec["dtype"], attention_backend=spec["backend"],
+                                     activation_checkpointing=spec["ckpt"], ttt_kv_cache=spec["ttt_kv_cache"]),
+        objective=ObjectiveSettings(ttt_steps=spec["K"], loss_backend=spec["loss_backend"],
+                                    loss_chunk=spec.get("loss_chunk", 1024)),
+        batch_size=spec["B"], seq_len=T, accumulate_grad_batches=2, device="cpu", reserve_bytes=0,
     )  # fmt: skip
 
 

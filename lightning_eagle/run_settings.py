@@ -116,7 +116,7 @@ class DraftSettings:
         try:
             backends.TTT_ATTENTION_BACKEND.check(self.attention_backend)
         except ValueError as err:
-            raise ValueError(f"model.draft.{err}") from None
+            raise ValueError(f"model.draft.attention_backend: {err}") from None
         _choice("model.draft.ttt_kv_cache", self.ttt_kv_cache, TTT_KV_CACHES)
         _choice("model.draft.dtype", self.dtype, DRAFT_DTYPES)
         _flag("model.draft.activation_checkpointing", self.activation_checkpointing)
@@ -166,7 +166,7 @@ class ObjectiveSettings:
         try:
             backends.LOSS_BACKEND.check(self.loss_backend)
         except ValueError as err:
-            raise ValueError(f"model.objective.{err}") from None
+            raise ValueError(f"model.objective.loss_backend: {err}") from None
         if self.ttt_steps > MAX_USEFUL_TTT_STEPS:
             import warnings
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from jsonargparse import Namespace
 
-from lightning_eagle.commands.cli import RUN_CLASSES, Eagle3CLI
+from lightning_eagle.commands.cli import RUN_CLASSES, Eagle3CLI, refuse_flat_settings
 from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.draft.config import Eagle3DraftConfig
 from lightning_eagle.k3.config import KimiK3TextConfig
@@ -37,8 +37,8 @@ from lightning_eagle.run_settings import DraftSettings, ObjectiveSettings, Targe
 class PlanConfigError(ValueError):
     """A run config the plan cannot read; the message names the field."""
 
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
+    def __init__(self, field_name: str | None, message: str) -> None:
+        super().__init__(message if field_name is None else f"{field_name}: {message}")  # None: message names it
         self.field = field_name
 
 
@@ -106,6 +106,10 @@ def parse_run_config(path: str | Path) -> Namespace:
     file = Path(resolve_config_path(str(path)))
     if not file.is_file():
         raise PlanConfigError("--config", f"{str(path)!r} is not a file")
+    try:
+        refuse_flat_settings(["--config", str(file)])
+    except ValueError as err:
+        raise PlanConfigError("--config", str(err)) from None
     cli = _ParseOnlyCLI(
         **RUN_CLASSES, run=False, args=["--config", str(file)], load_from_checkpoint_support=False,
         parser_kwargs={"exit_on_error": False},
@@ -175,12 +179,12 @@ def _settings(model: Namespace, group: str, kind: type):
         return value
     try:
         return kind(**(vars(value) if isinstance(value, Namespace) else dict(value or {})))
-    except (TypeError, ValueError) as err:
-        raise PlanConfigError(f"model.{group}", str(err)) from None
+    except (TypeError, ValueError) as err:  # the settings' own messages name their key
+        raise PlanConfigError(None if str(err).startswith(f"model.{group}") else f"model.{group}", str(err)) from None
 
 
-def _layout(trainer: Namespace, world: int | None, ep: int | None,
-            shard_dense: bool | None) -> tuple[int, int, ParallelLayout]:  # fmt: skip
+def _layout(trainer: Namespace, world: int | None, ep: int | None, shard_dense: bool | None,
+            num_experts: int) -> tuple[int, int, ParallelLayout]:  # fmt: skip
     """(nodes, GPUs per node, the layout) from ``trainer`` and the overrides: the strategy's own
     :class:`ParallelLayout` (its settings, checked by it), or a replicated target for any other strategy."""
     nodes = _positive_int(trainer.num_nodes, "trainer.num_nodes")
@@ -200,7 +204,7 @@ def _layout(trainer: Namespace, world: int | None, ep: int | None,
     if shard_dense is not None:
         settings["target_shard_dense"] = shard_dense
     try:
-        layout = ParallelLayout(**settings, world_size=world)
+        layout = ParallelLayout(**settings, world_size=world, num_experts=num_experts)
     except ValueError as err:
         raise PlanConfigError("trainer.strategy.init_args", str(err)) from None
     return nodes, gpus, layout
@@ -221,7 +225,6 @@ def run_config_from_yaml(
     groups (defaults included), the strategy's layout, the data module's batch and length."""
     config = parse_run_config(path)
     trainer, model, data = config.trainer, config.model, config.data.init_args
-    nodes, gpus, layout = _layout(trainer, world, ep, shard_dense)
     target = _settings(model, "target", TargetSettings)
     draft_settings = _settings(model, "draft", DraftSettings)
     objective = _settings(model, "objective", ObjectiveSettings)
@@ -230,6 +233,7 @@ def run_config_from_yaml(
         spec = TargetSpec.from_settings(target, config=target_config_ if folder is None else None)
     except ValueError as err:
         raise PlanConfigError("model.target", str(err)) from None
+    nodes, gpus, layout = _layout(trainer, world, ep, shard_dense, spec.num_experts)
     for key in ("batch_size", "max_length"):
         if key not in data:
             raise PlanConfigError("data", f"{config.data.class_path} has no {key}: the plan needs it")
@@ -248,8 +252,10 @@ def run_config_from_yaml(
             accumulate_grad_batches=_positive_int(trainer.accumulate_grad_batches, "trainer.accumulate_grad_batches"),
             device=device, moe_load_factor=moe_load_factor, reserve_bytes=int(reserve_gb * GB),
         )  # fmt: skip
-    except ValueError as err:  # the message names the setting (the run settings', the layout's, the plan's own)
-        raise PlanConfigError("the run", str(err)) from None
+    except PlanConfigError:
+        raise
+    except ValueError as err:  # the run settings' and the layout's own checks: their messages name the setting
+        raise PlanConfigError(None, str(err)) from None
     return RunConfig(inputs, gpus, nodes, notices, label)
 
 

@@ -24,11 +24,11 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from plan_helpers import flat_plan_inputs, plan_with
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -73,8 +73,8 @@ def plan_inputs(spec: dict) -> PlanInputs:
     draft = Eagle3DraftConfig.from_target_config(
         target, **spec["draft_overrides"], aux_layer_ids=spec["aux"], draft_vocab_size=spec["N_d"]
     )  # fmt: skip
-    return PlanInputs(
-        target=target, draft=draft, target_dtype=getattr(torch, spec["dtype"]),
+    return flat_plan_inputs(
+        target, draft, target_dtype=getattr(torch, spec["dtype"]),
         draft_dtype=getattr(torch, spec["draft_dtype"]), expert_storage=spec["storage"], batch_size=spec["B"],
         seq_len=spec["T"], ttt_steps=spec["K"], attention_backend=spec["backend"],
         activation_checkpointing=spec["ckpt"], accumulate_grad_batches=2, device="cpu", reserve_bytes=0,
@@ -202,7 +202,7 @@ class LiveBytes(TorchDispatchMode):
 def k3_inputs(**changes) -> PlanInputs:
     target = config_from_name("k3")
     draft = Eagle3DraftConfig.from_target_config(target, draft_vocab_size=32000)
-    return replace(PlanInputs(target=target, draft=draft), **changes)
+    return plan_with(flat_plan_inputs(target, draft), **changes)
 
 
 @pytest.mark.parametrize(
@@ -210,7 +210,7 @@ def k3_inputs(**changes) -> PlanInputs:
     [
         pytest.param(lambda: k3_inputs(seq_len=2048, ttt_steps=4, activation_checkpointing=True), id="k3-bf16-ckpt"),
         pytest.param(lambda: k3_inputs(seq_len=256, ttt_steps=3, draft_dtype=torch.float32), id="k3-fp32-buffers"),
-        pytest.param(lambda: replace(plan_inputs(TINY), device="cuda"), id="quickstart-eager"),
+        pytest.param(lambda: plan_with(plan_inputs(TINY), device="cuda"), id="quickstart-eager"),
     ],
 )
 def test_unroll_terms_match_the_census_of_the_real_unroll(inputs):
@@ -270,7 +270,7 @@ def test_real_k3_dense_shards_and_the_config_numbers():
     h200 = run_config_from_yaml("kimi_k3_eagle3_141gb", target_config="k3").inputs
     assert (h200.world, h200.ep, h200.dense_sharded) == (32, 32, True)
     assert round(build_plan(h200).peak_bytes / GB, 1) == 85.2
-    assert round(build_plan(replace(h200, world=16, ep=16)).peak_bytes / GB, 1) == 134.0
+    assert round(build_plan(plan_with(h200, world=16, ep=16)).peak_bytes / GB, 1) == 134.0
 
 
 # ---- the command line ------------------------------------------------------------------------------------------------
@@ -303,11 +303,12 @@ def test_cli_target_fallback_is_stated(capsys):
     ("edit", "field"),
     [
         (lambda c: c["data"].update(max_length=-1), "data.max_length"),
-        (lambda c: c["model"].update(target_dtype="float8"), "model.target_dtype"),
+        (lambda c: c["model"]["target"].update(dtype="float8"), "model.target.dtype"),
         (lambda c: c["trainer"].update(devices="auto"), "trainer.devices"),
-        (lambda c: c["model"].update(attention_backend="sdpa_mask"), "model.attention_backend"),
+        (lambda c: c["model"]["draft"].update(attention_backend="nope"), "model.draft.attention_backend"),
+        (lambda c: c["model"].update(target_dtype="bfloat16"), "--config"),  # the flat shape, refused by name
         (lambda c: c["trainer"]["strategy"]["init_args"].update(expert_parallel_size=48),
-         "trainer.strategy.init_args.expert_parallel_size"),
+         "trainer.strategy.init_args"),
         (lambda c: c["trainer"]["strategy"]["init_args"].update(expert_parallel_size="many"),
          "trainer.strategy.init_args.expert_parallel_size"),  # refused by the CLI's parser, named the same way
         (lambda c: c["model"].update(ttt_step=7), "model.ttt_step"),  # a misspelt option
@@ -350,7 +351,7 @@ def test_packaged_k3_configs_parse(capsys):
         printed = yaml.safe_load(capsys.readouterr().out)
         strategy = printed["trainer"]["strategy"]["init_args"]
         assert (printed["trainer"]["num_nodes"], strategy["expert_parallel_size"]) == (nodes, ep)
-        assert strategy["target_shard_dense"] is True and printed["model"]["draft_activation_checkpointing"] is True
+        assert strategy["target_shard_dense"] is True and printed["model"]["draft"]["activation_checkpointing"] is True
 
 
 def test_64k_config_fits_80gb_with_every_long_context_mechanism_planned(capsys):
@@ -368,7 +369,7 @@ def test_64k_config_fits_80gb_with_every_long_context_mechanism_planned(capsys):
     code, lines, _ = run_cli(capsys, "--config", "kimi_k3_eagle3_64k", "--gpu-gb", "80", "--target-config", "k3")
     assert code == 0 and lines[-1].startswith(f"fits: peak {plan.peak_bytes / GB:.1f} GB of 80 GB per GPU")
     # The same run without the mechanisms does not fit on any layout: the plan is not made to fit by leaving them out.
-    plain = replace(i, loss_backend="plain", target_token_chunk=None, draft_sp=1)
+    plain = plan_with(i, loss_backend="plain", target_token_chunk=None, draft_sp=1)
     assert build_plan(plain).peak_bytes > 3 * 80 * GB
 
 

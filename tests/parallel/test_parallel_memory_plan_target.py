@@ -24,12 +24,12 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from plan_helpers import flat_plan_inputs, plan_with
 from test_parallel_memory_plan import MEDIUM, LiveBytes, plan_inputs
 from test_parallel_memory_plan_unroll import meta_autocast_as_cpu
 from torch.overrides import TorchFunctionMode
@@ -148,7 +148,7 @@ def check_against_census(inputs: PlanInputs, monkeypatch, rel: float = 0.03) -> 
 
 
 def medium_inputs(B: int, T: int, C: int) -> PlanInputs:
-    return replace(plan_inputs(MEDIUM), batch_size=B, seq_len=T, target_token_chunk=C, device="cuda")
+    return plan_with(plan_inputs(MEDIUM), batch_size=B, seq_len=T, target_token_chunk=C, device="cuda")
 
 
 @pytest.mark.parametrize(("B", "T", "C"), [(2, 1024, 256), (1, 768, 1024)], ids=["B2-4-segments", "one-segment"])
@@ -162,9 +162,7 @@ def k3_chunked_inputs(T: int, C: int, **target_changes) -> PlanInputs:
     part of a layer, not the decoded experts alone, is checked."""
     target = config_from_name("k3", num_hidden_layers=5, attn_res_block_size=2, **target_changes)
     draft = Eagle3DraftConfig.from_target_config(target, draft_vocab_size=32000, aux_layer_ids=[1, 2, 4])
-    return PlanInputs(
-        target=target, draft=draft, seq_len=T, target_token_chunk=C, aux_layer_ids=(1, 2, 4), reserve_bytes=0
-    )
+    return flat_plan_inputs(target, draft, seq_len=T, target_token_chunk=C, aux_layer_ids=(1, 2, 4), reserve_bytes=0)
 
 
 @pytest.mark.slow
@@ -180,17 +178,17 @@ def test_chunked_plan_grows_linearly_in_T():
     already holds more."""
     target = config_from_name("k3")
     draft = Eagle3DraftConfig.from_target_config(target, draft_vocab_size=32000)
-    base = PlanInputs(  # dense weights replicated: no FSDP2 gathers, which differ from layer to layer
+    base = flat_plan_inputs(  # dense weights replicated: no FSDP2 gathers, which differ from layer to layer
         target=target, draft=draft, seq_len=16384, world=64, ep=64, shard_dense=False, target_token_chunk=2048
     )
     shapes = target_shapes(target)
     short = target_forward_peak(base, shapes)
-    long = target_forward_peak(replace(base, seq_len=65536), shapes)
+    long = target_forward_peak(plan_with(base, seq_len=65536), shapes)
     w = max(target.qk_nope_head_dim + target.qk_rope_head_dim, target.v_head_dim)
     entries = max(chunked_stream_entries(base, i) for i in range(target.num_hidden_layers + 1)) + 1
     per_token = entries * target.hidden_size * 2 + 2 * target.num_attention_heads * w * 2
     assert 0 < long.total - short.total <= (65536 - 16384) * per_token
-    assert target_forward_peak(replace(base, target_token_chunk=None), shapes).total > long.total
+    assert target_forward_peak(plan_with(base, target_token_chunk=None), shapes).total > long.total
 
 
 # ---- measured on CPU -------------------------------------------------------------------------------------------------
@@ -198,7 +196,7 @@ CPU_SPEC = {**MEDIUM, "B": 1}
 
 
 def cpu_inputs(T: int, C: int) -> PlanInputs:
-    return replace(plan_inputs(CPU_SPEC), seq_len=T, target_token_chunk=C, device="cpu")
+    return plan_with(plan_inputs(CPU_SPEC), seq_len=T, target_token_chunk=C, device="cpu")
 
 
 def _measure_capture(runs: list[tuple[int, int]]) -> list[int]:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import replace
 
 import pytest
 import torch
+from plan_helpers import plan_with
 from test_parallel_memory_plan import MEDIUM, TINY, LiveBytes, k3_inputs, plan_inputs
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -149,7 +149,7 @@ def k3(**changes) -> PlanInputs:
 
 
 def quickstart(spec: dict, **changes) -> PlanInputs:
-    return replace(plan_inputs(spec), device="cuda", **changes)  # meta runs the device-agnostic (CUDA) kernels
+    return plan_with(plan_inputs(spec), device="cuda", **changes)  # meta runs the device-agnostic (CUDA) kernels
 
 
 CASES = [
@@ -230,7 +230,7 @@ def test_sequence_parallel_adds_the_exchanges_and_shrinks_the_rest():
 
 
 def test_latent_cache_with_sequence_parallelism_is_refused():
-    with pytest.raises(ValueError, match="ttt_kv_cache='latent' with draft_sequence_parallel_size=2"):
+    with pytest.raises(ValueError, match="draft_sequence_parallel_size=2 with model.draft.ttt_kv_cache='latent'"):
         k3_inputs(seq_len=4096, world=8, ep=8, draft_sp=2, ttt_kv_cache="latent")
 
 
@@ -278,7 +278,7 @@ def test_flash_lse_working_sets_match_a_census_of_one_call(monkeypatch, changes,
 
     if chunk is not None:
         monkeypatch.setattr(tta, "DEFAULT_DIAGONAL_CHUNK", chunk)
-    d = DraftDims.of(replace(k3_inputs(**changes), device="cuda"))  # meta runs the chunked (CUDA) kernel
+    d = DraftDims.of(plan_with(k3_inputs(**changes), device="cuda"))  # meta runs the chunked (CUDA) kernel
     forward, backward = attention_call_census(d, k)
     assert attention_forward_ws(d, k) == pytest.approx(forward, rel=0.02)
     assert attention_core_saved(d, k) + attention_backward_ws(d, k) == pytest.approx(backward, rel=0.02)
@@ -292,7 +292,7 @@ SP_SPEC = {  # k3-tiny with 8 draft heads (4 per rank), fp32, flash_lse (the fus
 
 
 def sp_inputs(**changes) -> PlanInputs:
-    return replace(plan_inputs(SP_SPEC), world=2, draft_sp=2, **changes)
+    return plan_with(plan_inputs(SP_SPEC), world=2, draft_sp=2, **changes)
 
 
 def _sp_census_rank(rank, world, inputs: PlanInputs) -> tuple[int, int]:

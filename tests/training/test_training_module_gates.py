@@ -28,11 +28,31 @@ def no_weight_reads(monkeypatch):
         ({"draft": {"num_key_value_heads": 2}}, ValueError, "one K/V head per query head"),
         ({"draft": {"mla_use_nope": False}}, ValueError, "mla_use_nope"),
         # One source of truth: a module argument repeated inside `draft` is an error naming both spellings.
-        ({"draft": {"ttt_steps": 4}}, ValueError, "draft.ttt_steps → set ttt_steps instead"),
-        ({"draft": {"aux_layer_ids": [1, 2, 3]}}, ValueError, "draft.aux_layer_ids → set aux_layer_ids instead"),
-        ({"draft": {"step_decay": 0.5}}, ValueError, "draft.step_decay → set step_decay instead"),
-        ({"draft": {"aux_hidden_state_stream": "mixed"}}, ValueError, "draft.aux_hidden_state_stream → set aux_stream"),
-        ({"draft": {"draft_vocab_size": 64}}, ValueError, "draft.draft_vocab_size → set data.draft_vocab_size"),
+        (
+            {"draft": {"ttt_steps": 4}},
+            ValueError,
+            "config.ttt_steps: set model.objective.ttt_steps",
+        ),
+        (
+            {"draft": {"aux_layer_ids": [1, 2, 3]}},
+            ValueError,
+            "config.aux_layer_ids: set model.target.aux_layer_ids",
+        ),
+        (
+            {"draft": {"step_decay": 0.5}},
+            ValueError,
+            "config.step_decay: set model.objective.step_decay",
+        ),
+        (
+            {"draft": {"aux_hidden_state_stream": "mixed"}},
+            ValueError,
+            "config.aux_hidden_state_stream: set model.target.aux_stream",
+        ),
+        (
+            {"draft": {"draft_vocab_size": 64}},
+            ValueError,
+            "config.draft_vocab_size: set data.draft_vocab_size",
+        ),
     ],
 )
 def test_refusals_before_any_weight_is_read(target_dir, no_weight_reads, overrides, exc, fragment):

@@ -1,4 +1,5 @@
-"""What ``Eagle3Module`` refuses under draft sequence parallelism, with the setting's name (no processes)."""
+"""What training refuses under draft sequence parallelism, with the setting's name (no processes): one check
+(``run_settings.check_draft_sequence_parallel``) that the module's ``setup`` and the memory plan both call."""
 
 import lightning.pytorch as pl
 import pytest
@@ -6,34 +7,42 @@ from eagle_helpers import module_kwargs
 
 from lightning_eagle import Eagle3Module
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
-from lightning_eagle.training.sequence_parallel_unroll import check_sequence_parallel_settings
+from lightning_eagle.run_settings import DraftSettings, check_draft_sequence_parallel
 
 SETTING = r"trainer.strategy.init_args.draft_sequence_parallel_size=2"
-OK = {"num_attention_heads": 4, "draft_shard": False, "target_source": "online", "stage": "fit"}
+OK = {"num_attention_heads": 4, "draft": DraftSettings(), "target_source": "online", "stage": "fit"}
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"draft_shard": True}, SETTING + " with model.draft_shard=True is not supported"),
-        ({"target_source": "features"}, SETTING + " with model.target_source='features' is not supported"),
+        ({"draft": DraftSettings(shard=True)}, SETTING + " with model.draft.shard=true is not supported"),
+        ({"draft": DraftSettings(ttt_kv_cache="latent")}, SETTING + " with model.draft.ttt_kv_cache='latent'"),
+        ({"target_source": "features"}, SETTING + " with model.target.source='features' is not supported"),
         ({"stage": "predict"}, SETTING + ": predict returns whole-sequence"),
-        ({"num_attention_heads": 3}, "draft_sequence_parallel_size=2 must divide the draft's num_attention_heads"),
+        ({"num_attention_heads": 3}, SETTING + " must divide the draft's num_attention_heads"),
     ],
 )
 def test_unsupported_combinations_are_refused(change, message):
-    check_sequence_parallel_settings(2, **OK)
-    check_sequence_parallel_settings(1, **(OK | change))  # without sequence parallelism all of them are fine
+    check_draft_sequence_parallel(2, **OK)
+    check_draft_sequence_parallel(1, **(OK | change))  # without sequence parallelism all of them are fine
     with pytest.raises(ValueError, match=message):
-        check_sequence_parallel_settings(2, **(OK | change))
+        check_draft_sequence_parallel(2, **(OK | change))
 
 
-def test_the_module_reads_the_size_from_its_strategy(target_dir, tmp_path):
-    module = Eagle3Module(**module_kwargs(target_dir, draft_shard=True))
-    assert module._sequence_parallel_size() == 1 and module._sequence_shard(7) == (None, None)
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [({"draft_shard": True}, "model.draft.shard=true"), ({"ttt_kv_cache": "latent"}, "ttt_kv_cache='latent'")],
+)
+def test_the_module_refuses_them_in_setup_before_any_weight(target_dir, tmp_path, settings, message):
+    """The refusals hold in ``fit`` itself, not only in the memory plan (a 2-process fit with the latent cache and
+    SP 2 used to crash on both ranks with a reshape error)."""
+    module = Eagle3Module(**module_kwargs(target_dir, **settings))
+    assert module.placement.draft_sequence_parallel_size == 1 and module.placement.sequence_shard(7) is None
     strategy = ExpertParallelStrategy(draft_sequence_parallel_size=2, start_method="fork")
     module.trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False,
                                 default_root_dir=str(tmp_path))  # fmt: skip
-    assert module._sequence_parallel_size() == 2
-    with pytest.raises(ValueError, match=SETTING + " with model.draft_shard=True"):
-        module._check_sequence_parallel("fit")
+    assert module.placement.draft_sequence_parallel_size == 2
+    with pytest.raises(ValueError, match=SETTING + " with " + message):
+        module.setup("fit")
+    assert module.target is None and module.draft is None
