@@ -404,11 +404,12 @@ FIT = ["fit", "--config", "$quickstart", "--trainer.max_steps", "1", "--trainer.
 CLI_CASES = [
     pytest.param([*FIT, "--config", "$bad_yaml"], 2,
                  ["Subcommand 'fit' does not accept option 'model.not_a_key'"], id="yaml-unknown-key"),
-    pytest.param([*FIT, "--model.ttt_steps", "abc"], 2,
-                 ['Parser key "model.ttt_steps"', "Expected a <class 'int'>. Got value: abc"], id="wrong-type"),
+    pytest.param([*FIT, "--model.objective.ttt_steps", "abc"], 2,
+                 ['Parser key "model.objective.ttt_steps"', "Expected a <class 'int'>. Got value: abc"],
+                 id="wrong-type"),
     pytest.param([*FIT, "--data.max_length", "1"], 1, ["max_length must be at least 2, got 1"],
                  id="bad-value"),
-    pytest.param([*FIT, "--model.target", "/nonexistent"], 1,
+    pytest.param([*FIT, "--model.target.path", "/nonexistent"], 1,
                  ["target checkpoint '/nonexistent' does not exist (expected a K3 checkpoint folder"],
                  id="missing-target"),
     pytest.param([*FIT, "--data.train_files", "/nonexistent.jsonl"], 1,
@@ -416,8 +417,9 @@ CLI_CASES = [
     pytest.param([*FIT, "--data.train_files", "$bad_rows"], 1,
                  ["$bad_rows:2: messages[0].role: expected one of", 'got str "bot"', "--data.on_bad_row skip"],
                  id="bad-train-row"),
-    pytest.param([*FIT, "--model.draft", '{"ttt_steps": 4}'], 1,
-                 ["draft={…} repeats a setting that has its own argument (draft.ttt_steps → set ttt_steps instead)"],
+    pytest.param([*FIT, "--model.draft.config", '{"ttt_steps": 4}'], 1,
+                 ["model.draft.config.ttt_steps: set model.objective.ttt_steps instead (a setting has one source of "
+                  "truth)"],
                  id="draft-repeats-setting"),
     pytest.param([*FIT, "--trainer.strategy", "lightning_eagle.parallel.ExpertParallelStrategy",
                   "--trainer.strategy.tensor_parallel_size", "2"], 1,
@@ -458,15 +460,20 @@ CLI_CASES = [
                  id="zero-batch-size"),
     pytest.param([*FIT, "--data.val_fraction", "1.5"], 1, ["error: data.val_fraction must be in [0, 1), got 1.5\n"],
                  id="val-fraction-above-one"),
-    pytest.param([*FIT, "--model.lr", "-1"], 1, ["error: model.lr must be > 0, got -1.0"], id="negative-lr"),
-    pytest.param([*FIT, "--model.min_lr_ratio", "-0.5"], 1, ["error: model.min_lr_ratio must be in [0, 1], got -0.5"],
+    pytest.param([*FIT, "--model.optimization.lr", "-1"], 1, ["error: model.optimization.lr must be > 0, got -1.0"],
+                 id="negative-lr"),
+    pytest.param([*FIT, "--model.optimization.min_lr_ratio", "-0.5"], 1,
+                 ["error: model.optimization.min_lr_ratio must be in [0, 1], got -0.5"],
                  id="negative-min-lr-ratio"),
-    pytest.param([*FIT, "--model.warmup_ratio", "1.5", "--model.step_decay", "0"], 1,
-                 ["error: model.step_decay must be > 0, got 0.0; model.warmup_ratio must be in [0, 1), got 1.5"],
+    pytest.param([*FIT, "--model.optimization.warmup_ratio", "1.5", "--model.optimization.lr", "0"], 1,
+                 ["error: model.optimization.lr must be > 0, got 0.0; model.optimization.warmup_ratio must be in "
+                  "[0, 1), got 1.5"],
                  id="two-bad-settings"),
-    pytest.param([*FIT, "--model.ttt_steps", "0"], 1, ["error: model.ttt_steps must be an integer > 0, got 0"],
+    pytest.param([*FIT, "--model.objective.ttt_steps", "0"], 1,
+                 ["error: model.objective.ttt_steps must be an integer > 0, got 0"],
                  id="zero-ttt-steps"),
-    pytest.param([*FIT, "--model.lr", "1e15", "--model.warmup_ratio", "0", "--trainer.max_steps", "4"], 1,
+    pytest.param([*FIT, "--model.optimization.lr", "1e15", "--model.optimization.warmup_ratio", "0",
+                  "--trainer.max_steps", "4"], 1,
                  ["error: ", " is not finite (", ") at global step ",
                   "the run is stopped, nothing of this step is checkpointed or exported"], id="diverged-run"),
     pytest.param(["export", "$ckpt", "$ckpt", "--overwrite"], 1,
@@ -638,7 +645,7 @@ def test_a_diverged_loss_stops_the_run_before_any_checkpoint_or_export(tiny_targ
 
 
 def test_a_useless_ttt_steps_value_warns(tiny_target):
-    with pytest.warns(UserWarning, match="model.ttt_steps=100: engines draft 3-8 tokens"):
+    with pytest.warns(UserWarning, match="model.objective.ttt_steps=100: engines draft 3-8 tokens"):
         Eagle3Module(**module_kwargs(tiny_target, ttt_steps=100))
 
 
@@ -646,12 +653,12 @@ def test_a_resume_honours_the_command_line_over_the_checkpoints_settings(tmp_pat
     """LightningCLI merged the checkpoint's hyperparameters over explicit command-line values (--model.ttt_steps 3
     was dropped); the run's config is what runs now (the draft itself must match: refused above)."""
     first, resumed = tmp_path / "first", tmp_path / "resumed"
-    main([*fill(FIT, quickstart=QUICKSTART, root=first, rows=chat_rows), "--model.ttt_steps", "2"])
+    main([*fill(FIT, quickstart=QUICKSTART, root=first, rows=chat_rows), "--model.objective.ttt_steps", "2"])
     (ckpt,) = sorted(first.rglob("last.ckpt"))
-    main([*fill(FIT, quickstart=QUICKSTART, root=resumed, rows=chat_rows), "--model.ttt_steps", "3",
+    main([*fill(FIT, quickstart=QUICKSTART, root=resumed, rows=chat_rows), "--model.objective.ttt_steps", "3",
           "--trainer.max_steps", "2", "--ckpt_path", str(ckpt)])  # fmt: skip
     saved = torch.load(sorted(resumed.rglob("last.ckpt"))[0], map_location="cpu", weights_only=False)
-    assert saved["hyper_parameters"]["ttt_steps"] == 3 and saved["global_step"] == 2
+    assert saved["hyper_parameters"]["objective"]["ttt_steps"] == 3 and saved["global_step"] == 2
 
 
 def test_a_pathologically_nested_row_is_skipped_like_any_bad_row(tmp_path):

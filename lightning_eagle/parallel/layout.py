@@ -225,7 +225,6 @@ def target_parallelism(strategy: Any | None) -> TargetParallelism:
     return ReplicatedTarget(getattr(strategy, "world_size", 1) or 1)
 
 
-@runtime_checkable
 class DraftPlacement(Protocol):
     """How a strategy places the draft; what ``Eagle3Module`` asks of ``trainer.strategy`` for it (draft sequence
     parallelism and FSDP2 sharding). ``ExpertParallelStrategy`` implements it; any other strategy gets
@@ -271,6 +270,11 @@ class SingleDraftGroup:
 
 def draft_placement(strategy: Any | None) -> DraftPlacement:
     """The strategy itself if it implements :class:`DraftPlacement`, else :class:`SingleDraftGroup`."""
-    if isinstance(strategy, DraftPlacement):
+    # members looked up on the class: an instance's `world_mesh` raises until the process group exists
+    if all(hasattr(type(strategy), name) for name in DRAFT_PLACEMENT_MEMBERS):
         return strategy
     return SingleDraftGroup(strategy)
+
+
+DRAFT_PLACEMENT_MEMBERS = ("draft_sequence_parallel_size", "draft_sequence_parallel_group", "sequence_shard",
+                           "world_mesh")  # fmt: skip

@@ -11,8 +11,10 @@ Research hooks (override in a subclass; each is passed to :func:`~lightning_eagl
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -61,6 +63,15 @@ from lightning_eagle.training.ttt import draft_step as default_draft_step
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 
+def _settings(name: str, value: Any, kind: type):
+    """``value`` as a ``kind`` (a mapping, as a checkpoint's hyperparameters hold it, is made into one)."""
+    if isinstance(value, Mapping):
+        return kind(**value)
+    if not isinstance(value, kind):
+        raise TypeError(f"model.{name} must be a {kind.__name__} (or a mapping of its fields), got {value!r}")
+    return value
+
+
 class Eagle3Module(pl.LightningModule):
     """Train a :class:`~lightning_eagle.draft.KimiK3Eagle3Draft` against a frozen K3 target.
 
@@ -88,18 +99,16 @@ class Eagle3Module(pl.LightningModule):
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
         super().__init__()
-        for name, value, kind in (("target", target, TargetSettings), ("draft", draft, DraftSettings),
-                                  ("objective", objective, ObjectiveSettings),
-                                  ("optimization", optimization, OptimizationSettings)):  # fmt: skip
-            if not isinstance(value, kind):
-                raise TypeError(f"model.{name} must be a {kind.__name__}, got {type(value).__name__}: {value!r}")
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
-        self.target_settings, self.draft_settings, self.objective, self.optimization = (
-            target,
-            draft,
-            objective,
-            optimization,
-        )
+        target, draft, objective, optimization = (
+            _settings("target", target, TargetSettings), _settings("draft", draft, DraftSettings),
+            _settings("objective", objective, ObjectiveSettings),
+            _settings("optimization", optimization, OptimizationSettings),
+        )  # fmt: skip
+        # plain values in the checkpoint (loadable with weights_only, readable in hparams.yaml); a mapping makes them
+        groups = {"target": target, "draft": draft, "objective": objective, "optimization": optimization}
+        self.save_hyperparameters({k: json.loads(json.dumps(dataclasses.asdict(v))) for k, v in groups.items()})
+        self.target_settings, self.draft_settings = target, draft
+        self.objective, self.optimization = objective, optimization
         # Read (config.json only) and validated once; the strategy, the feature dumper and the plan use it as is.
         self.target_spec = TargetSpec.from_settings(target)
         self.draft_config = self._draft_config(draft_vocab_size=None)  # validated without any weight

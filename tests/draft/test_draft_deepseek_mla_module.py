@@ -37,7 +37,7 @@ def test_fit_restore_and_export(target_dir, tmp_path):
     trainer.fit(module, data)
     assert type(module.draft) is DeepseekMLAEagle3Draft
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
-    assert 1.0 <= trainer.callback_metrics["val/tau_sim"] <= 1 + module.hparams.ttt_steps
+    assert 1.0 <= trainer.callback_metrics["val/tau_sim"] <= 1 + module.objective.ttt_steps
     ckpt = tmp_path / "one.ckpt"
     trainer.save_checkpoint(ckpt)
 

@@ -48,8 +48,8 @@ def fit_and_export(root: Path, config: str, *overrides: str) -> Path:
     cli(
         "fit", "--config", str(REPO / "configs" / config), "--trainer.default_root_dir", str(root),
         "--trainer.max_steps", "6", "--trainer.val_check_interval", "6", "--trainer.limit_val_batches", "1",
-        "--model.draft.kv_lora_rank", "512", "--model.draft.qk_rope_head_dim", "64",
-        "--model.aux_layer_ids", json.dumps(AUX_IDS), *overrides,
+        "--model.draft.config.kv_lora_rank", "512", "--model.draft.config.qk_rope_head_dim", "64",
+        "--model.target.aux_layer_ids", json.dumps(AUX_IDS), *overrides,
         cwd=root,
     )  # fmt: skip
     out = cli("export", str(root / "checkpoints" / "last.ckpt"), str(root / "served"), cwd=root)
@@ -63,7 +63,7 @@ def fitted_exports(tmp_path_factory) -> dict[str, Path]:
     each other's OpenMP threads: measured 3x slower)."""
     runs = {
         # deepseek_mla: vLLM's own Eagle3DeepseekV2ForCausalLM, with DeepSeek YaRN
-        "deepseek_mla": ("quickstart_deepseek_mla.yaml", "--model.draft.rope_scaling", json.dumps(YARN)),
+        "deepseek_mla": ("quickstart_deepseek_mla.yaml", "--model.draft.config.rope_scaling", json.dumps(YARN)),
         # the default K3-faithful draft (NoPE gated MLA + SiTU), served through our plugin
         "k3": ("quickstart.yaml",),
     }

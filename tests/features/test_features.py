@@ -70,7 +70,7 @@ def test_dump_writes_manifest_shards_and_the_vocab_map(fp32_dump):
     manifest = json.loads((fp32_dump / fmt.MANIFEST_NAME).read_text())
     assert manifest["hidden_states"] == "prenorm" and manifest["dtype"] == "float32"
     assert manifest["aux_layer_ids"] == [1, 3, 5] and manifest["aux_stream"] == "prefix"
-    assert manifest["target"]["config_sha256"] == eagle_module(**MODULE).target_fingerprint
+    assert manifest["target"]["config_sha256"] == eagle_module(**MODULE).target_spec.fingerprint
     chats = ChatDataModule(**DATA)
     chats.setup("fit")
     assert manifest["rows"] == {"train": len(chats.train_dataset), "val": len(chats.val_dataset)}
@@ -101,7 +101,7 @@ def test_bf16_and_postnorm_dumps(tmp_path, fp32_dump, capsys):
     ref_loss, _ = _step(ref, ref_batch)
     post = _dump(tmp_path / "post", dtype="float32", hidden_states="postnorm", shard_rows=400)
     _, (offline, batch), _ = _online_and_offline(post)
-    assert offline.teacher_head.norm is None  # post-norm features: no norm applied twice
+    assert offline.source.head.norm is None  # post-norm features: no norm applied twice
     torch.testing.assert_close(_step(offline, batch)[0], ref_loss, rtol=1e-5, atol=1e-6)
     bf16 = _dump(tmp_path / "bf16", shard_rows=400)
     _, (offline, batch), _ = _online_and_offline(bf16)
@@ -195,11 +195,11 @@ def test_offline_run_refuses_other_features(tmp_path, fp32_dump):
     with pytest.raises(
         ValueError, match=r"tap layers \[1, 3, 5\] \(prefix stream\), this module trains on \[1, 2, 5\]"
     ):
-        module._check_target_source()
+        module.setup("fit")
     online = eagle_module(**MODULE)
     online._trainer = trainer
-    with pytest.raises(ValueError, match="the data module holds dumped features: set model.target_source='features'"):
-        online._check_target_source()
+    with pytest.raises(ValueError, match="the data module holds dumped features: set model.target.source='features'"):
+        online.setup("fit")
     with pytest.raises(ValueError, match="the checkpoint was trained on other features"):
         data.load_state_dict({**data.state_dict(), "features": "0123456789abcdef"})
     with pytest.raises(FileNotFoundError, match="has no manifest.json .an unfinished dump"):

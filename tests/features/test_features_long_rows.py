@@ -84,9 +84,9 @@ def _step(module: Eagle3Module, batch: dict, backend: str):
     """One TTT step as ``Eagle3Module.shared_step`` runs it on dumped features (the teacher head's normed final hidden
     and ``lm_head``), with ``backend``; returns the loss, the draft's gradients and the sizes seen."""
     module.draft.zero_grad(set_to_none=True)
-    widths = {module.target_config.vocab_size, int(module.draft.selected_token_ids.numel())}
+    widths = {module.target_spec.config.vocab_size, int(module.draft.selected_token_ids.numel())}
     with LargestTensors(batch["input_ids"].shape[1] - 1, widths) as seen:
-        aux, final, lm_head = module.target_features(batch)  # the teacher head's norm of the dumped final hidden
+        aux, final, lm_head = module.source.features(batch)  # the teacher head's norm of the dumped final hidden
         out = ttt_loss(
             module.draft, shift_left(batch["input_ids"]), batch["attention_mask"], shift_left(batch["loss_mask"]),
             aux, final_hidden=shift_left(final), lm_head_weight=lm_head, ttt_steps=MODULE["ttt_steps"],
@@ -100,7 +100,7 @@ def _step(module: Eagle3Module, batch: dict, backend: str):
 def _check_long_rows(tmp_path: Path, min_tokens: int, max_tokens: int, max_length: int, token_chunk: int):
     corpus = write_long_corpus(tmp_path / "long.jsonl", 4, seed=0, min_tokens=min_tokens, max_tokens=max_tokens)
     budget = 2 * max_tokens  # two rows per shard at most: the 4 rows in >= 2 shards of different sizes
-    vocab = eagle_module(**MODULE).target_config.vocab_size
+    vocab = eagle_module(**MODULE).target_spec.config.vocab_size
     with LargestTensors(min_tokens, {vocab}) as seen:
         chunked = _dump(corpus, max_length, tmp_path / "chunked", shard_tokens=budget, target_token_chunk=token_chunk)
     # no [T,T] ([C,T] at most) and no [T,V] logits: the dump keeps hidden states only
@@ -143,7 +143,7 @@ def _check_long_rows(tmp_path: Path, min_tokens: int, max_tokens: int, max_lengt
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     B, T = batch["input_ids"].shape
     # chunked: vocabulary-wide tensors of at most one chunk of rows (the teacher's scan: its seq chunk); no [T,T]
-    assert seen.vocab_rows <= max(LOSS_CHUNK, module.hparams.teacher_seq_chunk), seen.vocab_rows
+    assert seen.vocab_rows <= max(LOSS_CHUNK, module.objective.teacher_seq_chunk), seen.vocab_rows
     assert seen.long_dims <= 1, seen.long_shape
     assert ref_seen.vocab_rows >= B * (T - 1)  # the plain twin's [B,T,N_d]: the check above can fail
     return loss
@@ -216,7 +216,7 @@ def test_dump_command_passes_the_runs_target_token_chunk_and_shard_tokens(tmp_pa
     monkeypatch.setenv("LIGHTNING_EAGLE_CACHE", str(tmp_path / "cache"))
     config = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
     words = ["--config", str(config), "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false"]
-    dump_command.main([*words, "--model.target_token_chunk", "4096", "--shard-tokens", "262144"])
+    dump_command.main([*words, "--model.target.token_chunk", "4096", "--shard-tokens", "262144"])
     dump_command.main(words)
     (args, kw), (_, default) = calls
     assert kw["target_token_chunk"] == 4096 and kw["shard_tokens"] == 262144 and args[2] == tmp_path / "features"

@@ -94,10 +94,10 @@ def test_sharded_checkpoint_resumes_to_the_uninterrupted_state(runs):
 
 # Under the fork launcher a worker's error reaches the caller as ProcessRaisedException carrying the message.
 def test_resuming_into_the_other_layout_is_refused(runs, golden_dir):
-    with pytest.raises(Exception, match="written with draft_shard=True and this run has draft_shard=False"):
+    with pytest.raises(Exception, match="written with model.draft.shard=True and this run has model.draft.shard=False"):
         _fit(golden_dir, runs / "refused", 1, shard=False, max_steps=STEPS, ckpt_path=runs / "sharded" / "step=1.ckpt")
 
 
 def test_draft_shard_needs_more_than_one_rank(golden_dir, tmp_path):
-    with pytest.raises(Exception, match="draft_shard=True shards the draft over ranks"):
+    with pytest.raises(Exception, match="model.draft.shard=true shards the draft over ranks"):
         _fit(golden_dir, tmp_path, 1, shard=True, max_steps=1)

@@ -23,11 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 PEAK_RSS_BOUND = 3e9  # bytes; measured 762-776 MB alone (closing note of issue 21); eager: > 4.3 GB
 
 LONG_CONTEXT_SETTINGS = [
-    "--model.attention_backend", "flash_lse",
-    "--model.draft_activation_checkpointing", "true",
-    "--model.loss_backend", "chunked",
-    "--model.ttt_kv_cache", "latent",
-    "--model.target_token_chunk", "2048",
+    "--model.draft.attention_backend", "flash_lse",
+    "--model.draft.activation_checkpointing", "true",
+    "--model.objective.loss_backend", "chunked",
+    "--model.draft.ttt_kv_cache", "latent",
+    "--model.target.token_chunk", "2048",
 ]  # fmt: skip
 
 _RUN = """
@@ -50,7 +50,7 @@ def test_fit_on_16k_token_rows_with_bounded_memory(tmp_path):
         "fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
         "--data.train_files", json.dumps([str(rows)]), "--data.val_fraction", "0",
         "--data.max_length", "16384", "--data.batch_size", "1", "--data.use_cache", "false",
-        "--model.ttt_steps", "2", *LONG_CONTEXT_SETTINGS,
+        "--model.objective.ttt_steps", "2", *LONG_CONTEXT_SETTINGS,
         "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
         "--trainer.callbacks", "[]", "--trainer.logger", "false",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",

@@ -38,7 +38,7 @@ def test_one_step_trains_only_the_draft(target_dir, tmp_path):
     assert id(module.draft.embed_tokens.weight) not in optimised
     assert all(id(p) not in optimised for p in module.target.parameters())
     assert optimizer.param_groups[0]["betas"] == (0.9, 0.95)
-    assert 1.0 <= trainer.callback_metrics["val/tau_sim"] <= 1 + module.hparams.ttt_steps
+    assert 1.0 <= trainer.callback_metrics["val/tau_sim"] <= 1 + module.objective.ttt_steps
 
 
 def test_checkpoint_holds_only_the_draft_and_resume_matches_uninterrupted(target_dir, tmp_path):

@@ -32,7 +32,10 @@ def test_unsupported_combinations_are_refused(change, message):
 
 @pytest.mark.parametrize(
     ("settings", "message"),
-    [({"draft_shard": True}, "model.draft.shard=true"), ({"ttt_kv_cache": "latent"}, "ttt_kv_cache='latent'")],
+    [
+        ({"draft_shard": True}, "model.draft.shard=true"),
+        ({"ttt_kv_cache": "latent"}, "model.draft.ttt_kv_cache='latent'"),
+    ],
 )
 def test_the_module_refuses_them_in_setup_before_any_weight(target_dir, tmp_path, settings, message):
     """The refusals hold in ``fit`` itself, not only in the memory plan (a 2-process fit with the latent cache and
