@@ -168,7 +168,7 @@ def _measure(spec: dict) -> dict:
 
 def measure(specs: list[dict]) -> list[dict]:
     env = {**os.environ, **PROBE_ENV, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     result = subprocess.run(
         [sys.executable, __file__, json.dumps(specs)], capture_output=True, text=True, env=env, timeout=600
     )

@@ -235,7 +235,9 @@ def test_chunked_target_forward_matches_peak_rss_measured_on_cpu():
     CPU decode's int64 indices) within 5 %."""
     runs = [(4096, 1024)]
     env = {**os.environ, **PROBE_ENV, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), str(REPO / "tests"), str(Path(__file__).parent), env.get("PYTHONPATH", "")]
+    )
     result = subprocess.run(
         [sys.executable, __file__, json.dumps(runs)], capture_output=True, text=True, env=env, timeout=900
     )

@@ -58,15 +58,12 @@ def _config(tmp: Path, root: Path, devices: int, num_nodes: int, ep: int, accumu
             ],
         },
         "model": {
-            "target": "quickstart",
-            "aux_layer_ids": [1, 3, 5],
-            "ttt_steps": 2,
-            "target_dtype": "float32",
-            "draft_dtype": "float32",
+            "target": {"path": "quickstart", "aux_layer_ids": [1, 3, 5], "dtype": "float32"},
+            "objective": {"ttt_steps": 2},
             # SGD is linear in the gradient: the float noise of a different summation order stays at noise level
             # (Adam would turn the last-bit difference of a near-zero gradient into an lr-sized weight difference).
             "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5, "momentum": 0.9}},
-            "draft": {"intermediate_size": 64},
+            "draft": {"dtype": "float32", "config": {"intermediate_size": 64}},
         },
         "data": {
             "train_files": [str(tmp / "rows.jsonl")],
