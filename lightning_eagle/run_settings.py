@@ -267,3 +267,14 @@ def check_draft_sequence_parallel(
             f"{setting}: predict returns whole-sequence [K,B,T] proposals and a sequence-parallel rank has only its "
             "slots; predict with draft_sequence_parallel_size=1"
         )
+
+
+def as_settings(group: str, value: Any):
+    """``value`` as the settings type of ``model.<group>``: an instance as it is, a mapping of its fields (a
+    checkpoint's hyperparameters, a parsed config) made into one — and so checked."""
+    kind = MODEL_GROUPS[group]
+    if isinstance(value, Mapping):
+        return kind(**value)
+    if not isinstance(value, kind):
+        raise TypeError(f"model.{group} must be a {kind.__name__} (or a mapping of its fields), got {value!r}")
+    return value

@@ -68,7 +68,7 @@ def test_the_docs_name_every_package_and_config():
     package = ROOT / "lightning_eagle"
     packages = {p.name for p in package.iterdir() if (p / "__init__.py").is_file()} - {"configs", "assets"}
     package_map = _table_rows((ROOT / "ARCHITECTURE.md").read_text(), "| Package | Holds |")
-    named = set(re.findall(r"`([a-z_]+)/?`", package_map))
+    named = set(re.findall(r"`([a-z0-9_]+)/?`", package_map))
     bottom = {name.strip() for layer in _contract_layers()[-2:] for name in re.split(r"[|:]", layer)}
     assert (packages | bottom) - named == set()
     folders = _table_rows((ROOT / "README.md").read_text(), "| Folder | What |")

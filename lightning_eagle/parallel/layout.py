@@ -278,3 +278,14 @@ def draft_placement(strategy: Any | None) -> DraftPlacement:
 
 DRAFT_PLACEMENT_MEMBERS = ("draft_sequence_parallel_size", "draft_sequence_parallel_group", "sequence_shard",
                            "world_mesh")  # fmt: skip
+
+
+def draft_mesh(trainer: Any | None) -> Any:
+    """The mesh an FSDP2-sharded draft splits over (``model.draft.shard``): all ranks of a run of more than one."""
+    world = trainer.world_size if trainer is not None else 1
+    if world < 2:
+        raise ValueError(
+            "model.draft.shard=true shards the draft over ranks: use ExpertParallelStrategy with more than one rank "
+            f"(got world size {world})"
+        )
+    return draft_placement(trainer.strategy).world_mesh

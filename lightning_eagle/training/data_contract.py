@@ -31,3 +31,24 @@ class FixedBatchSize(Protocol):
 def run_datamodule(trainer) -> Any:
     """The trainer's data module (None outside a trainer or without one)."""
     return trainer.datamodule if trainer is not None else None
+
+
+def features_manifest(trainer) -> dict[str, Any] | None:
+    """The manifest of the run's dumped features (None when the data module holds chats, or outside a trainer)."""
+    datamodule = run_datamodule(trainer)
+    return datamodule.manifest if isinstance(datamodule, DumpedFeatures) else None
+
+
+def vocab_mapping(trainer, target_vocab_size: int):
+    """The data module's draft vocabulary map (None when it has none), its tokenizer checked against the target's
+    vocabulary."""
+    datamodule = run_datamodule(trainer)
+    if not isinstance(datamodule, DraftVocabulary):
+        return None
+    vocab = datamodule.vocab_size
+    if vocab is not None and vocab != target_vocab_size:
+        raise ValueError(
+            f"the data's tokenizer has {vocab} ids but the target's vocab_size is {target_vocab_size}: tokenizer and "
+            "target checkpoint do not belong together"
+        )
+    return datamodule.vocab_mapping

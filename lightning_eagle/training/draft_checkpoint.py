@@ -14,6 +14,7 @@ from lightning.fabric.utilities.seed import _collect_rng_states
 
 from lightning_eagle.draft.config import TRAINING_SETTINGS
 from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY, CHECKPOINT_TRAINING_KEY
+from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.training.resume import MICRO_BATCH_ROWS_KEY, rng_states_to_checkpoint
 
 RNG_STATES_KEY = "eagle_rng_states"
@@ -46,6 +47,23 @@ def check_vocab_map(saved_d2t: torch.Tensor | None, mapping) -> None:
             "the checkpoint's draft vocabulary map (d2t) differs from the data module's: the draft's lm_head rows "
             "would mean other tokens. Use the same data/tokenizer/draft_vocab_size, or start a fresh run"
         )
+
+
+def load_draft(module, state_dict: dict[str, Any], mapping, assign: bool = False):
+    """Load a module state dict into ``module``'s draft, strictly, after checking its vocabulary map against the data
+    module's. Before ``configure_model`` (e.g. the fork/spawn launcher's main process) the draft is built on meta
+    and every tensor, vocabulary map included, comes from the state: no random init."""
+    state = draft_state(state_dict)
+    check_vocab_map(state.get("d2t"), mapping)
+    if module.draft is not None:
+        return module.draft.load_state_dict(state, strict=True, assign=assign)
+    with torch.device("meta"):
+        draft = module._build_draft(int(state["d2t"].numel()))
+    result = draft.load_state_dict(state, strict=True, assign=True)
+    if module.draft_config.freeze_embeddings:
+        draft.freeze_embeddings()
+    module.draft = draft.to(dtype=DTYPES[module.draft_settings.dtype])
+    return result
 
 
 def checkpoint_extras(module, micro_batch_rows: int | None) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -29,31 +29,27 @@ from lightning_eagle.draft.materialize import build_on_meta, materialize
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.k3.target_spec import TargetSpec
 from lightning_eagle.parallel.dense_shard import shard_draft
-from lightning_eagle.parallel.frozen_target import load_frozen_target, parallelism_of, root_device
-from lightning_eagle.parallel.layout import DraftPlacement, draft_placement
+from lightning_eagle.parallel.frozen_target import parallelism_of, root_device
+from lightning_eagle.parallel.layout import DraftPlacement, draft_mesh, draft_placement
 from lightning_eagle.run_settings import (
     DraftSettings,
     ObjectiveSettings,
     OptimizationSettings,
     TargetSettings,
-    check_draft_sequence_parallel,
+    as_settings,
 )
+from lightning_eagle.training import data_contract
 from lightning_eagle.training import draft_checkpoint as ckpt
-from lightning_eagle.training.data_contract import DraftVocabulary, DumpedFeatures, run_datamodule
 from lightning_eagle.training.finite import stop_unless_finite, updated_weights_sum
 from lightning_eagle.training.loss import soft_cross_entropy
 from lightning_eagle.training.loss import step_weights as default_step_weights
 from lightning_eagle.training.metrics import TTTMetrics
 from lightning_eagle.training.resume import micro_batch_rows, rescale_epoch_progress, rng_states_from_checkpoint
+from lightning_eagle.training.run_gates import refuse_unsupported_run
 from lightning_eagle.training.schedule import warmup_cosine
 from lightning_eagle.training.sequence_parallel_unroll import sum_over_sp_group
 from lightning_eagle.training.shift import shift_left
-from lightning_eagle.training.target_source import (
-    OnlineTarget,
-    TargetSource,
-    check_features_manifest,
-    dumped_features,
-)
+from lightning_eagle.training.target_source import OnlineTarget, TargetSource, target_source
 from lightning_eagle.training.teacher import ChunkedTeacher, Teacher
 from lightning_eagle.training.teacher import compute_teacher as default_compute_teacher
 from lightning_eagle.training.ttt import TTTOutput, checkpointed_draft_step, tau_sim, ttt_loss
@@ -61,15 +57,6 @@ from lightning_eagle.training.ttt import draft_step as default_draft_step
 
 # The frozen target is in eval mode on purpose; Lightning's "modules in eval mode" warning would only alarm users.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
-
-
-def _settings(name: str, value: Any, kind: type):
-    """``value`` as a ``kind`` (a mapping, as a checkpoint's hyperparameters hold it, is made into one)."""
-    if isinstance(value, Mapping):
-        return kind(**value)
-    if not isinstance(value, kind):
-        raise TypeError(f"model.{name} must be a {kind.__name__} (or a mapping of its fields), got {value!r}")
-    return value
 
 
 class Eagle3Module(pl.LightningModule):
@@ -100,9 +87,8 @@ class Eagle3Module(pl.LightningModule):
     ) -> None:
         super().__init__()
         target, draft, objective, optimization = (
-            _settings("target", target, TargetSettings), _settings("draft", draft, DraftSettings),
-            _settings("objective", objective, ObjectiveSettings),
-            _settings("optimization", optimization, OptimizationSettings),
+            as_settings(name, value) for name, value in
+            (("target", target), ("draft", draft), ("objective", objective), ("optimization", optimization))
         )  # fmt: skip
         # plain values in the checkpoint (loadable with weights_only, readable in hparams.yaml); a mapping makes them
         groups = {"target": target, "draft": draft, "objective": objective, "optimization": optimization}
@@ -158,12 +144,8 @@ class Eagle3Module(pl.LightningModule):
         if self.draft is not None:  # called once per stage (fit/validate/…): idempotent
             return
         device, settings = root_device(self), self.draft_settings
-        if self.target_settings.source == "features":
-            self.source = dumped_features(self.target_spec, self.target_settings, self._features_manifest(), device)
-        else:
-            model = load_frozen_target(self, self.target_spec)
-            self.source = OnlineTarget(model, self.target_spec, self.target_settings.token_chunk)
-        mapping = vocab_mapping if vocab_mapping is not None else self._vocab_mapping()
+        self.source = target_source(self, self.target_spec, self.target_settings, device)
+        mapping = vocab_mapping if vocab_mapping is not None else self._data_vocabulary()
         # Built on meta and allocated once on the device in its training dtype: no full fp32 host copy. Initial values
         # depend only on (init_seed, parameter name): every rank and every rerun starts from the same draft.
         draft = build_on_meta(lambda: self._build_draft(None if mapping is None else int(mapping.selected.numel())))
@@ -173,49 +155,15 @@ class Eagle3Module(pl.LightningModule):
             mapping.selected if mapping is not None else torch.arange(self.draft_config.draft_vocab_size)
         )
         if settings.shard:
-            shard_draft(draft, self._world_mesh())
+            shard_draft(draft, draft_mesh(self._trainer))
         self.draft = draft
 
-    def _world_mesh(self):
-        world = self._trainer.world_size if self._trainer is not None else 1
-        if world < 2:
-            raise ValueError(
-                "model.draft.shard=true shards the draft over ranks: use ExpertParallelStrategy with more than one "
-                f"rank (got world size {world})"
-            )
-        return self.placement.world_mesh
-
-    def _features_manifest(self) -> dict[str, Any] | None:
-        datamodule = run_datamodule(self._trainer)
-        return datamodule.manifest if isinstance(datamodule, DumpedFeatures) else None
-
-    def _vocab_mapping(self):
-        datamodule = run_datamodule(self._trainer)
-        if not isinstance(datamodule, DraftVocabulary):
-            return None
-        vocab, ours = datamodule.vocab_size, self.target_spec.config.vocab_size
-        if vocab is not None and vocab != ours:
-            raise ValueError(
-                f"the data's tokenizer has {vocab} ids but the target's vocab_size is {ours}: tokenizer and target "
-                "checkpoint do not belong together"
-            )
-        return datamodule.vocab_mapping
+    def _data_vocabulary(self):
+        return data_contract.vocab_mapping(self._trainer, self.target_spec.config.vocab_size)
 
     @override
     def setup(self, stage: str) -> None:
-        precision = str(getattr(self.trainer, "precision", "32-true"))
-        if precision in ("bf16-true", "16-true"):
-            raise ValueError(
-                f"trainer precision {precision!r} would cast the whole module, destroying the target's fp32 "
-                "parameters and MXFP4 scales; use precision='32-true' with model.draft.dtype='bfloat16', or "
-                "'bf16-mixed'"
-            )
-        check_features_manifest(self._features_manifest(), self.target_settings, self.target_spec,
-                                list(self.target_spec.aux_layer_ids))  # fmt: skip
-        check_draft_sequence_parallel(
-            self.placement.draft_sequence_parallel_size, num_attention_heads=self.draft_config.num_attention_heads,
-            draft=self.draft_settings, target_source=self.target_settings.source, stage=stage,
-        )  # fmt: skip
+        refuse_unsupported_run(self, stage)  # before any weight is read
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a kill during a save truncates the file
             self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
@@ -252,13 +200,14 @@ class Eagle3Module(pl.LightningModule):
         return ttt_loss(
             self.draft,
             shift_left(batch["input_ids"]),
-            batch["attention_mask"],  # aux states and the attention mask are not shifted
+            batch["attention_mask"],
             shift_left(batch["loss_mask"]),
             aux_hidden_states,
             final_hidden=shift_left(final_hidden),
             lm_head_weight=lm_head_weight,
             teacher_fn=self._teacher_with_full_head,
             draft_step_fn=self.draft_step,
+            # the library's own step loss unless a subclass overrides it (the chunked backend fuses exactly that one)
             step_loss_fn=soft_cross_entropy if type(self).step_loss is Eagle3Module.step_loss else self.step_loss,
             step_weights_fn=self.step_weights,
             ttt_steps=objective.ttt_steps,
@@ -268,7 +217,7 @@ class Eagle3Module(pl.LightningModule):
             loss_chunk=objective.loss_chunk,
             sequence_shard=placement.sequence_shard(batch["input_ids"].shape[1]),
             sequence_group=placement.draft_sequence_parallel_group,
-        )  # step_loss_fn: the library's own unless overridden (the chunked backend fuses exactly that function)
+        )  # fmt: skip
 
     def _teacher_with_full_head(self, draft, loss_mask, **sources) -> Teacher | ChunkedTeacher:
         """:meth:`compute_teacher` with the target's whole ``lm_head`` for its duration (dense-sharded target)."""
@@ -386,19 +335,7 @@ class Eagle3Module(pl.LightningModule):
     @override
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Strict on the draft (missing or unexpected draft keys raise); the target is never in a checkpoint."""
-        state = ckpt.draft_state(state_dict)
-        ckpt.check_vocab_map(state.get("d2t"), self._vocab_mapping())
-        if self.draft is not None:
-            return self.draft.load_state_dict(state, strict=True, assign=assign)
-        # configure_model never ran here (e.g. the fork/spawn launcher's main process): every tensor, vocabulary map
-        # included, comes from the state, so the draft is built on meta with no random init
-        with torch.device("meta"):
-            draft = self._build_draft(int(state["d2t"].numel()))
-        result = draft.load_state_dict(state, strict=True, assign=True)
-        if self.draft_config.freeze_embeddings:
-            draft.freeze_embeddings()
-        self.draft = draft.to(dtype=DTYPES[self.draft_settings.dtype])
-        return result
+        return ckpt.load_draft(self, state_dict, self._data_vocabulary(), assign)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -23,7 +23,9 @@ from lightning_eagle.features.teacher_head import TeacherHead
 from lightning_eagle.k3.model import KimiK3ForCausalLM, set_token_chunk
 from lightning_eagle.k3.target_spec import TargetSpec
 from lightning_eagle.parallel.dense_shard import gathered_weight
+from lightning_eagle.parallel.frozen_target import load_frozen_target
 from lightning_eagle.run_settings import TargetSettings
+from lightning_eagle.training.data_contract import features_manifest
 
 TargetFeatures = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -124,3 +126,11 @@ def dumped_features(spec: TargetSpec, settings: TargetSettings, manifest: dict[s
     prenorm = True if manifest is None else manifest["hidden_states"] == "prenorm"
     head = TeacherHead.from_checkpoint(spec.path, prenorm=prenorm, dtype=torch.float32)
     return DumpedFeatures(head.to(device=device, dtype=DTYPES[settings.dtype]), prenorm)
+
+
+def target_source(owner, spec: TargetSpec, settings: TargetSettings, device: torch.device) -> TargetSource:
+    """The source ``model.target.source`` names, for ``owner``'s rank: the frozen K3 placed by its strategy, or the
+    teacher head of the run's dumped features."""
+    if settings.source == "features":
+        return dumped_features(spec, settings, features_manifest(owner._trainer), device)
+    return OnlineTarget(load_frozen_target(owner, spec), spec, settings.token_chunk)

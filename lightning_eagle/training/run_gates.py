@@ -1,0 +1,27 @@
+"""What ``Eagle3Module.setup`` refuses about the run it is in, before any weight is read: a precision that would cast
+the whole module, features from another target or taps (or features handed to an online run), and what draft
+sequence parallelism does not support (:func:`~lightning_eagle.run_settings.check_draft_sequence_parallel`, the one
+check the memory plan makes too)."""
+
+from __future__ import annotations
+
+from lightning_eagle.run_settings import check_draft_sequence_parallel
+from lightning_eagle.training.data_contract import features_manifest
+from lightning_eagle.training.target_source import check_features_manifest
+
+
+def refuse_unsupported_run(module, stage: str) -> None:
+    """Raise ``ValueError`` naming the setting for a run ``module`` cannot train (or ``stage``) as configured."""
+    trainer = module.trainer
+    precision = str(getattr(trainer, "precision", "32-true"))
+    if precision in ("bf16-true", "16-true"):
+        raise ValueError(
+            f"trainer precision {precision!r} would cast the whole module, destroying the target's fp32 "
+            "parameters and MXFP4 scales; use precision='32-true' with model.draft.dtype='bfloat16', or 'bf16-mixed'"
+        )
+    spec = module.target_spec
+    check_features_manifest(features_manifest(trainer), module.target_settings, spec, list(spec.aux_layer_ids))
+    check_draft_sequence_parallel(
+        module.placement.draft_sequence_parallel_size, num_attention_heads=module.draft_config.num_attention_heads,
+        draft=module.draft_settings, target_source=module.target_settings.source, stage=stage,
+    )  # fmt: skip
