@@ -1,5 +1,5 @@
 """Shared fixtures: the golden reference folder (vendored in ``tests/golden``, a byte copy of the public reference
-outputs; never edited) and tiny K3 models."""
+outputs; never edited), the tiny K3 target checkpoint (``target_dir``, the one home of it) and tiny drafts."""
 
 from __future__ import annotations
 
@@ -17,6 +17,26 @@ def _restore_default_dtype():
     dtype = torch.get_default_dtype()
     yield
     torch.set_default_dtype(dtype)
+
+
+def pytest_collection_modifyitems(items):
+    """A notebook trains a draft end to end: it belongs to the full lane (``-m "not slow"`` is the quick one)."""
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def target_dir(tmp_path_factory) -> Path:
+    """The tests' tiny K3 target in the released layout (``k3-tiny`` sized for the synthetic tokenizer, vocab 512;
+    unquantised experts), written once per session; a test that changes it copies it first."""
+    from eagle_helpers import SYNTHETIC_IDS
+
+    from lightning_eagle.k3 import KimiK3ForCausalLM, config_from_name
+    from lightning_eagle.k3.writer import save_k3_checkpoint
+
+    model = KimiK3ForCausalLM(config_from_name("k3-tiny", **SYNTHETIC_IDS)).init_weights(7)
+    return save_k3_checkpoint(model, tmp_path_factory.mktemp("target") / "k3-tiny-512", mxfp4=False)
 
 
 @pytest.fixture(scope="session")

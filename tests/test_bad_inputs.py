@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from draft_helpers import tiny_draft
-from eagle_helpers import SYNTHETIC_IDS, data_kwargs, module_kwargs, trainer_kwargs
+from eagle_helpers import data_kwargs, module_kwargs, trainer_kwargs
 from safetensors.torch import load_file, save_file
 
 import lightning_eagle
@@ -29,10 +29,8 @@ from lightning_eagle.commands.cli import main
 from lightning_eagle.data import ChatDataModule, DataRowError, load_kimi_tokenizer, synthetic_k3_tokenizer
 from lightning_eagle.data.tokenizer_files import save_tokenizer_dir
 from lightning_eagle.draft.export import export_draft
-from lightning_eagle.k3 import config_from_name
 from lightning_eagle.k3 import loader as target_loader
 from lightning_eagle.k3.loader import CheckpointError
-from lightning_eagle.k3.writer import save_k3_checkpoint
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
 from lightning_eagle.parallel.validate import UnsupportedLayoutError
 
@@ -73,14 +71,8 @@ def expect(exc: type[BaseException], fragments: list[str], **paths):
 
 # ---- fixtures built once --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory) -> Path:
-    model = KimiK3ForCausalLM(config_from_name("k3-tiny", **SYNTHETIC_IDS)).init_weights(7)
-    return save_k3_checkpoint(model, tmp_path_factory.mktemp("target") / "k3-tiny-512", mxfp4=False)
-
-
-@pytest.fixture(scope="module")
-def target_state(tiny_target) -> dict[str, torch.Tensor]:
-    return load_file(str(tiny_target / "model.safetensors"))
+def target_state(target_dir) -> dict[str, torch.Tensor]:
+    return load_file(str(target_dir / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +93,10 @@ def fit_data(rows: Path, **overrides) -> ChatDataModule:
 
 
 @pytest.fixture(scope="module")
-def trained_ckpt(tiny_target, chat_rows, tmp_path_factory) -> Path:
-    """A 1-step checkpoint of a draft trained against ``tiny_target`` on ``chat_rows`` (draft vocab 320)."""
+def trained_ckpt(target_dir, chat_rows, tmp_path_factory) -> Path:
+    """A 1-step checkpoint of a draft trained against ``target_dir`` on ``chat_rows`` (draft vocab 320)."""
     root = tmp_path_factory.mktemp("trained")
-    module = Eagle3Module(**module_kwargs(tiny_target, ttt_steps=2))
+    module = Eagle3Module(**module_kwargs(target_dir, ttt_steps=2))
     trainer = pl.Trainer(**trainer_kwargs(root, max_steps=1, limit_val_batches=0, enable_checkpointing=False))
     trainer.fit(module, fit_data(chat_rows))
     trainer.save_checkpoint(root / "last.ckpt")
@@ -315,8 +307,8 @@ TARGET_CASES = [
 
 
 @pytest.mark.parametrize(("edit", "fragments"), TARGET_CASES)
-def test_target_checkpoint(tmp_path, tiny_target, target_state, edit, fragments):
-    directory = Path(shutil.copytree(tiny_target, tmp_path / "k3"))
+def test_target_checkpoint(tmp_path, target_dir, target_state, edit, fragments):
+    directory = Path(shutil.copytree(target_dir, tmp_path / "k3"))
     edit(directory, target_state)
     before = snapshot(tmp_path)
     with expect(CheckpointError, fragments, dir=directory) as info:
@@ -522,8 +514,8 @@ def test_cli(tmp_path, chat_rows, trained_ckpt, monkeypatch, capsys, argv, statu
 
 
 # ---- checkpoints of another target / vocabulary map / data / library: resume through Trainer.fit --------------------
-def _other_target(tiny_target, tmp_path) -> Path:
-    other = Path(shutil.copytree(tiny_target, tmp_path / "other-target"))
+def _other_target(target_dir, tmp_path) -> Path:
+    other = Path(shutil.copytree(target_dir, tmp_path / "other-target"))
     config = json.loads((other / "config.json").read_text())
     config["text_config"]["rms_norm_eps"] = config["text_config"].get("rms_norm_eps", 1e-6) * 2
     (other / "config.json").write_text(json.dumps(config))
@@ -570,11 +562,11 @@ FOREIGN_CASES = [
 
 
 @pytest.mark.parametrize(("which", "entry", "exc", "fragments"), FOREIGN_CASES)
-def test_foreign_checkpoint(tmp_path, tiny_target, chat_rows, trained_ckpt, which, entry, exc, fragments):
+def test_foreign_checkpoint(tmp_path, target_dir, chat_rows, trained_ckpt, which, entry, exc, fragments):
     ckpt = Path(shutil.copy(trained_ckpt, tmp_path / "last.ckpt"))
     if which == "foreign":
         torch.save({"weights": torch.zeros(3)}, ckpt)
-    target = _other_target(tiny_target, tmp_path) if which == "other" else tiny_target
+    target = _other_target(target_dir, tmp_path) if which == "other" else target_dir
     root = tmp_path / "run"
     before = snapshot(tmp_path)
     with expect(exc, fragments, target=target, ckpt=ckpt) as info:
@@ -608,18 +600,18 @@ LAYOUT_CASES = [
 
 
 @pytest.mark.parametrize(("overrides", "exc", "fragments"), LAYOUT_CASES)
-def test_unsupported_layout(tmp_path, tiny_target, monkeypatch, overrides, exc, fragments):
+def test_unsupported_layout(tmp_path, target_dir, monkeypatch, overrides, exc, fragments):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(target_loader, "safe_open", lambda *a, **k: pytest.fail(f"target weights read: {a}"))
-    before = snapshot(tiny_target)
+    before = snapshot(target_dir)
     with expect(exc, fragments) as info:
         ExpertParallelStrategy(**overrides)
     assert_raised_by_library(info)
-    assert snapshot(tiny_target) == before and not any(tmp_path.iterdir())
+    assert snapshot(target_dir) == before and not any(tmp_path.iterdir())
 
 
 # ---- runs that would produce garbage: stopped, nothing checkpointed or exported (issue 23) -------------------------
-def test_a_diverged_loss_stops_the_run_before_any_checkpoint_or_export(tiny_target, chat_rows, tmp_path):
+def test_a_diverged_loss_stops_the_run_before_any_checkpoint_or_export(target_dir, chat_rows, tmp_path):
     """A learning rate that blows the draft up: the first non-finite loss stops the run with the step named; no
     checkpoint or export of it exists (before: NaN loss at every step, a "best" checkpoint and NaN weights, exit 0)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -630,7 +622,7 @@ def test_a_diverged_loss_stops_the_run_before_any_checkpoint_or_export(tiny_targ
     root = tmp_path / "run"
     callbacks = [ModelCheckpoint(dirpath=root / "checkpoints", save_last=True, every_n_train_steps=1),
                  ExportDraftCallback(out_dir=str(root / "draft"))]  # fmt: skip
-    module = Eagle3Module(**module_kwargs(tiny_target, ttt_steps=2, lr=1e15, warmup_ratio=0.0))
+    module = Eagle3Module(**module_kwargs(target_dir, ttt_steps=2, lr=1e15, warmup_ratio=0.0))
     trainer = pl.Trainer(**trainer_kwargs(root, max_steps=4, limit_val_batches=0, callbacks=callbacks))
     with expect(NonFiniteTrainingError, [" is not finite (", ") at global step ", "the run is stopped, nothing of "
                                          "this step is checkpointed or exported"]):  # fmt: skip
@@ -644,9 +636,9 @@ def test_a_diverged_loss_stops_the_run_before_any_checkpoint_or_export(tiny_targ
     assert not (root / "draft").exists()
 
 
-def test_a_useless_ttt_steps_value_warns(tiny_target):
+def test_a_useless_ttt_steps_value_warns(target_dir):
     with pytest.warns(UserWarning, match="model.objective.ttt_steps=100: engines draft 3-8 tokens"):
-        Eagle3Module(**module_kwargs(tiny_target, ttt_steps=100))
+        Eagle3Module(**module_kwargs(target_dir, ttt_steps=100))
 
 
 def test_a_resume_honours_the_command_line_over_the_checkpoints_settings(tmp_path, chat_rows):

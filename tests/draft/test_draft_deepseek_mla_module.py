@@ -6,22 +6,13 @@ from __future__ import annotations
 import json
 
 import lightning.pytorch as pl
-import pytest
 import torch
-from eagle_helpers import SYNTHETIC_IDS, data_kwargs, module_kwargs, trainer_kwargs
+from eagle_helpers import data_kwargs, module_kwargs, trainer_kwargs
 
 from lightning_eagle import Eagle3Module
 from lightning_eagle.data import ChatDataModule
 from lightning_eagle.draft import export_draft
 from lightning_eagle.draft.deepseek_mla import DeepseekMLAEagle3Draft
-from lightning_eagle.k3 import KimiK3ForCausalLM, config_from_name
-from lightning_eagle.k3.writer import save_k3_checkpoint
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    model = KimiK3ForCausalLM(config_from_name("k3-tiny", **SYNTHETIC_IDS)).init_weights(7)
-    return save_k3_checkpoint(model, tmp_path_factory.mktemp("target") / "k3-tiny-512", mxfp4=False)
 
 
 def test_fit_restore_and_export(target_dir, tmp_path):

@@ -16,7 +16,7 @@ def make_target(preset: str = "k3-tiny", seed: int = 0, lm_head_scale: float = 1
     return model
 
 
-def make_draft(
+def draft_for_target(
     target,
     draft_vocab_size: int | None = None,
     seed: int = 0,

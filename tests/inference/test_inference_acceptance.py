@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from eagle_helpers import eagle_module
-from inference_helpers import make_draft, make_target
+from inference_helpers import draft_for_target, make_target
 
 from lightning_eagle.data import synthetic_k3_tokenizer
 from lightning_eagle.data.prompts import prompts_from_chats, prompts_from_token_rows
@@ -49,7 +49,7 @@ def test_prompts_end_at_each_assistant_turn():
 
 def test_report_over_chat_file(chat_file):
     target = make_target(seed=21, **SYNTHETIC)
-    draft = make_draft(target, draft_vocab_size=320, seed=3)
+    draft = draft_for_target(target, draft_vocab_size=320, seed=3)
     report = evaluate_acceptance(target, draft, str(chat_file), num_prompts=3, max_new_tokens=8, num_draft_tokens=3)
     assert report.num_prompts == 3 and report.num_draft_tokens == 3
     assert report.greedy_mismatches == 0  # losslessness checked inside the report at temperature 0
@@ -73,7 +73,7 @@ def test_report_over_chat_file(chat_file):
 
 def test_token_prompts_sampling_and_vocab_check():
     target = make_target(seed=22, **SYNTHETIC)
-    draft = make_draft(target, draft_vocab_size=320, seed=4)
+    draft = draft_for_target(target, draft_vocab_size=320, seed=4)
     prompts = [torch.tensor([256, 259, 40, 41]), [256, 259, 50]]
     report = evaluate_acceptance(
         target, draft, prompts, max_new_tokens=6, num_draft_tokens=2, temperature=0.8, compare_plain=False
@@ -91,7 +91,7 @@ def test_cli_entry_point(tmp_path, chat_file, capsys):
 
     target = make_target(seed=23, **SYNTHETIC)
     target_dir = save_k3_checkpoint(target, tmp_path / "target", mxfp4=False)
-    draft_dir = export_draft(make_draft(target, draft_vocab_size=320, seed=5), tmp_path / "draft")  # no embedding
+    draft_dir = export_draft(draft_for_target(target, draft_vocab_size=320, seed=5), tmp_path / "draft")  # no embedding
     out_json = tmp_path / "report.json"
     main(
         [
@@ -108,7 +108,7 @@ def test_cli_entry_point(tmp_path, chat_file, capsys):
 def test_the_number_of_draft_tokens_is_the_callers():
     """The draft config records only the architecture: K is an argument, never read from the draft."""
     target = make_target(seed=22, **SYNTHETIC)
-    draft = make_draft(target, draft_vocab_size=320, seed=4)
+    draft = draft_for_target(target, draft_vocab_size=320, seed=4)
     with pytest.raises(TypeError, match="num_draft_tokens must be an int"):
         evaluate_acceptance(target, draft, [[256, 259, 40]], max_new_tokens=2, num_draft_tokens=None)
     report = evaluate_acceptance(target, draft, [[256, 259, 40]], max_new_tokens=2, compare_plain=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from inference_helpers import make_draft, make_target
+from inference_helpers import draft_for_target, make_target
 
 from lightning_eagle.draft import Eagle3DraftConfig
 from lightning_eagle.inference import plain_generate, resolve_inference_aux, speculative_generate
@@ -46,7 +46,7 @@ def test_recorded_ids_of_another_target_or_invalid_explicit_ids_raise():
 
 def test_speculative_generate_with_an_imported_draft_needs_explicit_ids():
     target = make_target(seed=12)
-    draft = make_draft(target, draft_vocab_size=72)
+    draft = draft_for_target(target, draft_vocab_size=72)
     draft.config = draft.config.replace(aux_layer_ids=None, aux_hidden_state_stream=None)
     prompt = [4, 8, 15, 16]
     with pytest.raises(ValueError, match="records no aux_layer_ids"):
@@ -57,6 +57,6 @@ def test_speculative_generate_with_an_imported_draft_needs_explicit_ids():
 
 def test_a_draft_for_another_vocabulary_is_refused():
     target = make_target(seed=13, vocab_size=300)
-    draft = make_draft(make_target(seed=13), draft_vocab_size=72)
+    draft = draft_for_target(make_target(seed=13), draft_vocab_size=72)
     with pytest.raises(ValueError, match="vocab_size"):
         speculative_generate(target, draft, [1, 2, 3], max_new_tokens=2)

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 import torch
-from inference_helpers import make_draft, make_target
+from inference_helpers import draft_for_target, make_target
 from test_inference_draft_runner import ttt_logits
 from test_inference_sampling import chi_square_pvalue
 from test_inference_speculative import MIN_MARGIN, assert_decided, prompts
@@ -27,7 +27,7 @@ ARCHITECTURES = {
 @torch.no_grad()
 def test_draft_inference_equals_ttt_unroll(arch):
     target = make_target()
-    draft = make_draft(target, draft_vocab_size=72, **ARCHITECTURES[arch])
+    draft = draft_for_target(target, draft_vocab_size=72, **ARCHITECTURES[arch])
     T, K = 14, 4
     x = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(3))
     aux = target.capture(x, None, [1, 3, 5]).aux_hidden_states
@@ -46,7 +46,7 @@ def test_draft_inference_equals_ttt_unroll(arch):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_speculative_equals_plain_greedy(arch):
     target = make_target(seed=6, vocab_size=6, lm_head_scale=20.0)
-    draft = make_draft(target, draft_vocab_size=4, seed=1, lm_head_scale=20.0, **ARCHITECTURES[arch])
+    draft = draft_for_target(target, draft_vocab_size=4, seed=1, lm_head_scale=20.0, **ARCHITECTURES[arch])
     accepted = []
     for prompt in prompts(6, 6, seed=6):
         ref = plain_generate(target, prompt, 16).tokens
@@ -64,7 +64,7 @@ def test_real_acceptance_equals_training_time_prefix_hits(arch):
     """End to end: at each round's start slot, the TTT unroll's step-k argmax predicts exactly the accepted count —
     a position mismatch between training and inference would break it."""
     target = make_target(seed=6, vocab_size=6, lm_head_scale=20.0)
-    draft = make_draft(target, draft_vocab_size=4, seed=1, lm_head_scale=20.0, **ARCHITECTURES[arch])
+    draft = draft_for_target(target, draft_vocab_size=4, seed=1, lm_head_scale=20.0, **ARCHITECTURES[arch])
     K, checked = 3, 0
     for prompt in prompts(4, 6, seed=31, lengths=(2, 5)):
         out = speculative_generate(target, draft, prompt, max_new_tokens=24, num_draft_tokens=K)
@@ -91,7 +91,7 @@ def test_speculative_sampling_keeps_the_target_law_with_a_rotary_draft():
     """Temperature 1 on a 4-token vocabulary: the law of the first three tokens is the target's (chi-square)."""
     V = 4
     target = make_target("k3-tiny-trailing-mla", seed=11, vocab_size=V, lm_head_scale=12.0)
-    draft = make_draft(target, draft_vocab_size=3, seed=2, lm_head_scale=3.0, aux_layer_ids=(1, 2, 4),
+    draft = draft_for_target(target, draft_vocab_size=3, seed=2, lm_head_scale=3.0, aux_layer_ids=(1, 2, 4),
                        **ARCHITECTURES["deepseek_mla_yarn"])  # fmt: skip
     prompt = [3, 0, 1, 2, 3]
     with torch.no_grad():

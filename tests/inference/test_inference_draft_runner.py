@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from inference_helpers import make_draft, make_target
+from inference_helpers import draft_for_target, make_target
 
 from lightning_eagle.draft import TTTCache
 from lightning_eagle.inference import DraftRunner
@@ -29,7 +29,7 @@ def ttt_logits(draft, input_ids, aux, steps):
 @torch.no_grad()
 def test_draft_inference_equals_ttt_unroll(overrides):
     target = make_target()
-    draft = make_draft(target, draft_vocab_size=72, **overrides)
+    draft = draft_for_target(target, draft_vocab_size=72, **overrides)
     T, K = 14, 4
     gen = torch.Generator().manual_seed(3)
     x = torch.randint(0, 256, (1, T), generator=gen)
@@ -57,7 +57,7 @@ def test_draft_inference_equals_ttt_unroll(overrides):
 @torch.no_grad()
 def test_chain_cache_is_discarded_between_rounds_and_matters():
     target = make_target()
-    draft = make_draft(target, draft_vocab_size=72)
+    draft = draft_for_target(target, draft_vocab_size=72)
     x = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
     aux = target.capture(x, None, [1, 3, 5]).aux_hidden_states
     runner = DraftRunner(draft)
@@ -76,7 +76,7 @@ def test_chain_cache_is_discarded_between_rounds_and_matters():
 @torch.no_grad()
 def test_sampled_proposals_follow_draft_distribution_support():
     target = make_target()
-    draft = make_draft(target, draft_vocab_size=72)
+    draft = draft_for_target(target, draft_vocab_size=72)
     x = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(5))
     runner = DraftRunner(draft)
     runner.extend(target.capture(x, None, [1, 3, 5]).aux_hidden_states, torch.cat([x[:, 1:], x[:, :1]], dim=1))

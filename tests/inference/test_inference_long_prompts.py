@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from inference_helpers import make_draft, make_target
+from inference_helpers import draft_for_target, make_target
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -74,7 +74,7 @@ def test_chunked_target_prefill_equals_one_forward(length, chunk):
 def test_prefill_chunk_settings_are_checked():
     assert chunk_bounds(5, None) == [(0, 5)] and chunk_bounds(5, 2) == [(0, 2), (2, 4), (4, 5)]
     target = make_target(seed=3)
-    draft = make_draft(target, draft_vocab_size=72)
+    draft = draft_for_target(target, draft_vocab_size=72)
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="prefill_chunk must be a positive int"):
             speculative_generate(target, draft, [1, 2, 3], 2, prefill_chunk=bad)
@@ -90,7 +90,7 @@ def test_prefill_chunk_settings_are_checked():
 @pytest.mark.parametrize("overrides", [{}, {"architecture": "deepseek_mla"}])
 def test_chunked_draft_extend_equals_one_extend_and_the_cores_agree(overrides):
     target = make_target(seed=4)
-    draft = make_draft(target, draft_vocab_size=72, seed=2, **overrides)
+    draft = draft_for_target(target, draft_vocab_size=72, seed=2, **overrides)
     T = 1100
     aux = torch.randn(1, T, 3 * target.config.hidden_size, generator=torch.Generator().manual_seed(0))
     next_ids = torch.tensor([random_prompt(T, target.config.vocab_size, seed=1)])
@@ -116,7 +116,7 @@ def test_chunked_draft_extend_equals_one_extend_and_the_cores_agree(overrides):
 def test_chunked_speculative_decoding_equals_single_shot_prefill(length, chunk):
     # A 6-token vocabulary with sharp heads: rounds accept 0..K drafts, so the accepted lengths are a real check.
     target = make_target(seed=6, vocab_size=6, lm_head_scale=20.0)
-    draft = make_draft(target, draft_vocab_size=4, seed=1, lm_head_scale=20.0)
+    draft = draft_for_target(target, draft_vocab_size=4, seed=1, lm_head_scale=20.0)
     prompt = random_prompt(length, 6, seed=length)
     whole, chunked = DraftRunner(draft), DraftRunner(draft)
     ref = speculative_generate(target, whole, prompt, 24, 3, aux_layer_ids=AUX, prefill_chunk=None)
@@ -155,7 +155,7 @@ def test_chunked_prefill_transients_are_chunk_by_length(backend):
     eager cores (the twin) does build ``[T,T]`` scores, so the bound is a real one."""
     target = make_target(seed=6)
     set_target_mla_backend(target, backend)
-    draft = make_draft(target, draft_vocab_size=72, seed=1)
+    draft = draft_for_target(target, draft_vocab_size=72, seed=1)
     heads = target.config.num_attention_heads
     assert draft.config.num_attention_heads == heads
     T, C = 2048, 256
@@ -201,7 +201,7 @@ def test_chunked_batched_prefill_equals_one_forward():
 # ---- acceptance runs ------------------------------------------------------------------------------------------------
 def test_acceptance_caps_prompts_and_chunks_their_prefill():
     target = make_target(seed=6, vocab_size=6, lm_head_scale=20.0)
-    draft = make_draft(target, draft_vocab_size=4, seed=1, lm_head_scale=20.0)
+    draft = draft_for_target(target, draft_vocab_size=4, seed=1, lm_head_scale=20.0)
     prompts = [random_prompt(n, 6, seed=n) for n in (700, 40, 900, 60)]
     options = {"max_new_tokens": 8, "num_draft_tokens": 3, "stop_token_ids": None, "warmup": False}
     capped = evaluate_acceptance(target, draft, prompts, num_prompts=2, max_prompt_tokens=100, **options)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from inference_helpers import make_draft, make_target
+from inference_helpers import draft_for_target, make_target
 from safetensors.torch import load_file
 
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft, export_draft
@@ -42,7 +42,7 @@ def trained(tmp_path_factory):
     """``(target, in-memory trained draft, its default serving export)``."""
     torch.set_num_threads(1)
     target = make_target(seed=6)
-    draft = train_draft(target, make_draft(target, draft_vocab_size=72, seed=1))
+    draft = train_draft(target, draft_for_target(target, draft_vocab_size=72, seed=1))
     folder = export_draft(draft, tmp_path_factory.mktemp("export") / "draft")
     assert "embed_tokens.weight" not in load_file(str(folder / "model.safetensors"))  # the frozen copy is omitted
     return target, draft, folder
@@ -110,7 +110,7 @@ def test_an_embedding_that_cannot_be_filled_raises(trained, tmp_path):
     with pytest.raises(ValueError, match=r"\(256, 128\).*\(256, 64\)"):
         evaluate_acceptance(target, loaded, [[1, 2, 3]], max_new_tokens=8, stop_token_ids=None)
     # An embedding the draft trained is not the target's: refilling it from the target would be a different draft.
-    unfrozen = make_draft(target, draft_vocab_size=72, seed=3, freeze_embeddings=False)
+    unfrozen = draft_for_target(target, draft_vocab_size=72, seed=3, freeze_embeddings=False)
     folder = export_draft(unfrozen, tmp_path / "unfrozen", include_embeddings=False)
     with pytest.raises(ValueError, match="freeze_embeddings=False"):
         speculative_generate(target, load_without_embedding(folder), [1, 2, 3], 8, K)

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from inference_helpers import make_draft, make_target
+from inference_helpers import draft_for_target, make_target
 
 from lightning_eagle.inference import sampling, speculative_generate
 from lightning_eagle.inference.sampling import draft_probs_to_target, greedy_verify, rejection_verify
@@ -97,7 +97,7 @@ def test_speculative_sampling_matches_target_joint_distribution(broken, monkeypa
     # Scales chosen so that the joint law is spread (entropy ~1.8 nats over 64 outcomes) and about a third of the
     # drafts are accepted.
     target = make_target("k3-tiny-trailing-mla", seed=11, vocab_size=V, lm_head_scale=12.0)
-    draft = make_draft(target, draft_vocab_size=3, seed=2, lm_head_scale=3.0, aux_layer_ids=(1, 2, 4))
+    draft = draft_for_target(target, draft_vocab_size=3, seed=2, lm_head_scale=3.0, aux_layer_ids=(1, 2, 4))
     prompt = [3, 0, 1, 2, 3]
     with torch.no_grad():
         seqs = torch.tensor([prompt + list(x) for x in itertools.product(range(V), repeat=2)])

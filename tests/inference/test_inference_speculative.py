@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from inference_helpers import make_draft, make_target
+from inference_helpers import draft_for_target, make_target
 
 from lightning_eagle.inference import plain_generate, speculative_generate
 from lightning_eagle.inference.draft_runner import DraftProposal
@@ -51,7 +51,7 @@ def test_plain_incremental_greedy_equals_full_forward_greedy():
 )
 def test_greedy_speculative_equals_plain_greedy_with_a_real_draft(vocab, draft_vocab, K, n_prompts):
     target = make_target(seed=6, vocab_size=vocab, lm_head_scale=20.0 if vocab < 16 else 1.0)
-    draft = make_draft(target, draft_vocab_size=draft_vocab, seed=1, lm_head_scale=20.0 if vocab < 16 else 1.0)
+    draft = draft_for_target(target, draft_vocab_size=draft_vocab, seed=1, lm_head_scale=20.0 if vocab < 16 else 1.0)
     accepted = []
     for prompt in prompts(n_prompts, vocab, seed=vocab):
         ref = plain_generate(target, prompt, 16).tokens
@@ -116,7 +116,7 @@ def test_every_acceptance_length_keeps_output_and_features_exact(preset):
 
 def test_budget_stop_tokens_and_zero_drafts():
     target = make_target(seed=8)
-    draft = make_draft(target, draft_vocab_size=72)
+    draft = draft_for_target(target, draft_vocab_size=72)
     prompt = [5, 9, 200, 17]
     ref = plain_generate(target, prompt, 16).tokens
     assert_decided(target, prompt, ref)
@@ -138,7 +138,7 @@ def test_real_acceptance_equals_training_time_prefix_hits():
     from test_inference_draft_runner import ttt_logits
 
     target = make_target(seed=6, vocab_size=6, lm_head_scale=20.0)
-    draft = make_draft(target, draft_vocab_size=4, seed=1, lm_head_scale=20.0)
+    draft = draft_for_target(target, draft_vocab_size=4, seed=1, lm_head_scale=20.0)
     K, checked = 3, 0
     for prompt in prompts(4, 6, seed=31, lengths=(2, 5)):
         out = speculative_generate(target, draft, prompt, max_new_tokens=24, num_draft_tokens=K)
