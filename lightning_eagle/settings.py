@@ -1,5 +1,6 @@
-"""Numeric settings checked once, under the name the user typed (``model.lr``), before anything is built: a bad
-value is refused with that name instead of surfacing later as torch's message, a climbing loss or a silent no-op."""
+"""Numeric settings checked once, under the name the user typed (``model.optimization.lr``), before anything is
+built: a bad value is refused with that name instead of surfacing later as torch's message, a climbing loss or a
+silent no-op."""
 
 from __future__ import annotations
 

@@ -34,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-draft-tokens",
         type=int,
         default=DEFAULT_NUM_DRAFT_TOKENS,
-        help=f"K, tokens drafted per round (default {DEFAULT_NUM_DRAFT_TOKENS}; use the model.ttt_steps it trained "
-        "with)",
+        help=f"K, tokens drafted per round (default {DEFAULT_NUM_DRAFT_TOKENS}; use the model.objective.ttt_steps it "
+        "trained with)",
     )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)

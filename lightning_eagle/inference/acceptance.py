@@ -206,7 +206,7 @@ def evaluate_acceptance(
             validation split); a list of chats; or a list of token-id prompts.
         tokenizer: for chats (default: the synthetic K3 tokenizer; a path or ``KimiTokenizer`` for real data).
         num_draft_tokens: K, tokens drafted per round (default ``DEFAULT_NUM_DRAFT_TOKENS`` = 7; pass the
-            ``model.ttt_steps`` the draft was trained with: the draft's config records only its architecture).
+            ``model.objective.ttt_steps`` the draft was trained with: the draft's config records only its architecture).
         stop_token_ids: ``"eos"`` = the target's ``eos_token_id`` (K3's ``<|end_of_msg|>``), None = never stop.
         compare_plain: also decode every prompt with the target alone (throughput baseline; at temperature 0 also a
             losslessness check).

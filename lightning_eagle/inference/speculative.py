@@ -48,7 +48,7 @@ from lightning_eagle.inference.sampling import draft_probs_to_target, greedy_ver
 from lightning_eagle.settings import DEFAULT_TTT_STEPS
 
 # K when the caller does not choose one. The draft's config records only its architecture, not the unroll it was
-# trained with: the training default (`model.ttt_steps`), inside the 3-8 tokens engines draft.
+# trained with: the training default (`model.objective.ttt_steps`), inside the 3-8 tokens engines draft.
 DEFAULT_NUM_DRAFT_TOKENS = DEFAULT_TTT_STEPS
 
 
