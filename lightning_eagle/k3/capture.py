@@ -97,8 +97,23 @@ def capture_hidden_states(
     return_prenorm: bool = False,
 ) -> CaptureOutput:
     check_aux_stream(aux_stream)
-    L = len(model.model.layers)
-    ids = resolve_aux_layer_ids(aux_layer_ids, L)
+    ids = resolve_aux_layer_ids(aux_layer_ids, len(model.model.layers))
+    return capture_taps(model, input_ids, attention_mask, tuple(ids), aux_stream, return_logits, return_prenorm)
+
+
+@torch.no_grad()
+def capture_taps(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    taps: tuple[int, ...],
+    aux_stream: str,
+    return_logits: bool = False,
+    return_prenorm: bool = False,
+) -> CaptureOutput:
+    """:func:`capture_hidden_states` with taps and stream already validated (a run's ``TargetSpec``: checked once,
+    not once per batch)."""
+    L, ids = len(model.model.layers), list(taps)
     with aux_taps(model, ids + [L] if return_prenorm else ids, aux_stream) as captured:
         out = model(input_ids, attention_mask, return_logits=return_logits)
     return CaptureOutput(

@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.features.teacher_head import TeacherHead
+from lightning_eagle.k3.capture import capture_taps
 from lightning_eagle.k3.model import KimiK3ForCausalLM, set_token_chunk
 from lightning_eagle.k3.target_spec import TargetSpec
 from lightning_eagle.parallel.dense_shard import gathered_weight
@@ -61,11 +62,9 @@ class OnlineTarget(TargetSource):
     @torch.no_grad()
     def capture(self, batch: dict[str, torch.Tensor]):
         device_type = batch["input_ids"].device.type
-        with torch.autocast(device_type=device_type, enabled=False):
-            return self.model.capture(
-                batch["input_ids"], batch["attention_mask"], aux_layer_ids=list(self.spec.aux_layer_ids),
-                aux_stream=self.spec.aux_stream,
-            )  # fmt: skip
+        with torch.autocast(device_type=device_type, enabled=False):  # the spec's taps: validated once, not per batch
+            return capture_taps(self.model, batch["input_ids"], batch["attention_mask"], self.spec.aux_layer_ids,
+                                self.spec.aux_stream)  # fmt: skip
 
     def features(self, batch: dict[str, torch.Tensor]) -> TargetFeatures:
         cap = self.capture(batch)
