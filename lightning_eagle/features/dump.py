@@ -127,16 +127,16 @@ class FeatureDumper(pl.LightningModule):
             raise ValueError(f"hidden_states must be one of {fmt.HIDDEN_KINDS}, got {hidden_states!r}")
         if dtype not in fmt.DTYPES:
             raise ValueError(f"dump dtype must be one of {sorted(fmt.DTYPES)}, got {dtype!r}")
-        optional = {"shard_tokens": shard_tokens, "target_token_chunk": target_token_chunk}
+        # target_token_chunk is model.target.token_chunk, checked where it is made (and by the model it is set on)
         check_settings("dump", {
             "shard_rows": (shard_rows, "positive", int),
-            **{name: (value, "positive", int) for name, value in optional.items() if value is not None},
+            **({"shard_tokens": (shard_tokens, "positive", int)} if shard_tokens is not None else {}),
         })  # fmt: skip
         self.target_spec = target_spec
         self.data, self.out_dir = datamodule, Path(out_dir)
         self.dtype_name, self.hidden_kind, self.shard_rows = dtype, hidden_states, int(shard_rows)
         self.shard_tokens = None if shard_tokens is None else int(shard_tokens)
-        self.target_token_chunk = None if target_token_chunk is None else int(target_token_chunk)
+        self.target_token_chunk = target_token_chunk
         self.target = None
         self.rows = _DumpRows(None, None)
         self.row_lengths: list[int] = []

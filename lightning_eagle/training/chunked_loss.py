@@ -28,12 +28,6 @@ from lightning_eagle.settings import DEFAULT_LOSS_CHUNK
 from lightning_eagle.training.teacher import ChunkedTeacher
 
 
-def check_loss_chunk(loss_chunk) -> int:
-    if isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 1:
-        raise ValueError(f"loss_chunk must be an int >= 1 (rows per chunk), got {loss_chunk!r}")
-    return loss_chunk
-
-
 @dataclass
 class _Step:
     """What the function needs besides its tensor inputs (kept by reference, never copied)."""

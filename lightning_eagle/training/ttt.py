@@ -42,7 +42,7 @@ from lightning_eagle.backends import LOSS_BACKEND
 from lightning_eagle.draft.cache import TTTCache
 from lightning_eagle.parallel.sequence_parallel import SequenceShard, slot_positions
 from lightning_eagle.settings import DEFAULT_LOSS_CHUNK, DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS
-from lightning_eagle.training.chunked_loss import check_loss_chunk, chunked_step_loss
+from lightning_eagle.training.chunked_loss import chunked_step_loss
 from lightning_eagle.training.loss import soft_cross_entropy, step_weights
 from lightning_eagle.training.sequence_parallel_unroll import unroll_slots
 from lightning_eagle.training.teacher import ChunkedTeacher, Teacher, compute_teacher
@@ -158,8 +158,7 @@ def ttt_loss(
     B = input_ids.shape[0]
     device = input_ids.device
     chunked = LOSS_BACKEND.resolve(loss_backend, device) == "chunked"
-    if chunked:
-        check_loss_chunk(loss_chunk)
+    if chunked:  # loss_chunk: checked where it is made (model.objective.loss_chunk)
         if step_loss_fn is not soft_cross_entropy:
             raise ValueError(
                 f"loss_backend='chunked' computes the soft cross-entropy itself (it never forms the logits a "
