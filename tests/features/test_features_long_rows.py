@@ -181,7 +181,8 @@ def test_dump_batches_are_longest_first_within_a_shard():
 
 def test_dump_settings_are_refused_by_name(tmp_path):
     spec = eagle_module(**MODULE).target_spec
-    for name, value in (("shard_tokens", 0), ("target_token_chunk", -1), ("shard_rows", 0)):
+    # the target's token chunk is model.target.token_chunk, refused where it is made (tests/test_run_settings.py)
+    for name, value in (("shard_tokens", 0), ("shard_rows", 0)):
         kw = {"shard_rows": 4, name: value}
         with pytest.raises(ValueError, match=rf"dump\.{name} must be an integer > 0, got {value}"):
             FeatureDumper(spec, None, tmp_path, dtype="float32", hidden_states="prenorm", **kw)
