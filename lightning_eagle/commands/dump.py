@@ -17,7 +17,7 @@ def main(words: list[str] | None = None, from_sys_argv: bool = False) -> None:
     parser = argparse.ArgumentParser(
         prog="lightning-eagle dump",
         description="Run the frozen target once over the config's data and store its EAGLE-3 features "
-        "(then train with target_source: features, e.g. configs/quickstart_offline.yaml). Other options "
+        "(then train with model.target.source: features, e.g. configs/quickstart_offline.yaml). Other options "
         "(--config, --trainer.*, --model.*, --data.*) are read as for fit; --model.target.token_chunk runs the "
         "target forward in token segments here too.",
     )

@@ -1,5 +1,5 @@
 """Offline target features: dump the frozen K3's EAGLE-3 features once (``cli.py dump``), then train drafts from
-them without the target (``HiddenStateDataModule`` + ``Eagle3Module(target_source="features")``)."""
+them without the target (``HiddenStateDataModule`` + ``Eagle3Module`` with ``model.target.source: features``)."""
 
 from lightning_eagle.features.datamodule import HiddenStateDataModule
 from lightning_eagle.features.teacher_head import TeacherHead
