@@ -18,7 +18,8 @@ checkpointing, only these latents (and the hidden) cross the steps; the expansio
   (a transient expanded cache of k+1 blocks) and the backend runs unchanged. These are not long-context backends.
 
 Without activation checkpointing the latent cache saves nothing: autograd keeps each step's expanded ``K_0``/``V_0``
-for its backward (K blocks over the unroll, as the expanded cache) — use it with ``model.draft.activation_checkpointing``.
+for its backward (K blocks over the unroll, as the expanded cache) — use it with
+``model.draft.activation_checkpointing``.
 """
 
 from __future__ import annotations

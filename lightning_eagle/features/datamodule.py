@@ -1,6 +1,7 @@
 """``HiddenStateDataModule``: batches of dumped target features (``cli.py dump``) for an ``Eagle3Module`` with
-``model.target.source: features`` — the same rows, split, shuffle order, padding and resumable position as the online run's
-``ChatDataModule``, with ``aux_hidden_states`` and ``hidden_states`` added to each batch (no target forward)."""
+``model.target.source: features`` — the same rows, split, shuffle order, padding and resumable position as the
+online run's ``ChatDataModule``, with ``aux_hidden_states`` and ``hidden_states`` added to each batch (no target
+forward)."""
 
 from __future__ import annotations
 
