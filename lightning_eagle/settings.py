@@ -19,6 +19,7 @@ RULES = {
     "non_negative": (lambda v: v >= 0, ">= 0"),
     "fraction": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "fraction_below_one": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "at_least_one": (lambda v: v >= 1, ">= 1"),
 }
 
 
@@ -26,13 +27,14 @@ def check_settings(prefix: str, settings: dict[str, tuple[object, str, type]]) -
     """``settings``: name → (value, rule in :data:`RULES`, ``int`` or ``float``). Raises one ``ValueError`` listing
     every bad value as ``{prefix}.{name} must be … , got …``."""
     problems = []
-    for name, (value, rule, kind) in settings.items():
+    for short, (value, rule, kind) in settings.items():
         check, wanted = RULES[rule]
+        name = f"{prefix}.{short}" if prefix else short  # no prefix: the name is the whole key (a command's flag)
         number = isinstance(value, numbers.Real) and not isinstance(value, bool)
         if kind is int and not (number and float(value).is_integer()):
-            problems.append(f"{prefix}.{name} must be an integer {wanted}, got {value!r}")
+            problems.append(f"{name} must be an integer {wanted}, got {value!r}")
         elif not number or not math.isfinite(value) or not check(value):
-            problems.append(f"{prefix}.{name} must be {'an integer ' if kind is int else ''}{wanted}, got {value!r}")
+            problems.append(f"{name} must be {'an integer ' if kind is int else ''}{wanted}, got {value!r}")
     if problems:
         raise ValueError("; ".join(problems))
 

@@ -470,6 +470,25 @@ CLI_CASES = [
                   "the run is stopped, nothing of this step is checkpointed or exported"], id="diverged-run"),
     pytest.param(["export", "$ckpt", "$ckpt", "--overwrite"], 1,
                  ["refusing to replace $ckpt: it is a file, not a folder"], id="export-overwrite-a-file"),
+    # issue 30: a typo is never taken as the key it abbreviates; a run that trained nothing exports nothing
+    pytest.param([*FIT, "--model.objective.ttt_step", "3"], 2,
+                 ["unrecognized arguments: --model.objective.ttt_step 3"], id="abbreviated-key"),
+    pytest.param([*FIT, "--trainer.max_steps", "0"], 1,
+                 ["the run took no optimizer step", "there is no trained draft to export; nothing was exported"],
+                 id="max-steps-zero"),
+    # the memory plan's own flags, each under its name (before: a negative peak that "fits", a dropped MoE term)
+    pytest.param(["memory-plan", "--config", "quickstart", "--gpu-gb", "0"], 2,
+                 ["error: --gpu-gb must be > 0, got 0.0"], id="plan-zero-gpu"),
+    pytest.param(["memory-plan", "--config", "quickstart", "--gpu-gb", "nan"], 2,
+                 ["error: --gpu-gb must be > 0, got nan"], id="plan-nan-gpu"),
+    pytest.param(["memory-plan", "--config", "quickstart", "--reserve-gb", "-1000"], 2,
+                 ["error: --reserve-gb must be >= 0, got -1000.0"], id="plan-negative-reserve"),
+    pytest.param(["memory-plan", "--config", "quickstart", "--moe-load-factor", "0"], 2,
+                 ["error: --moe-load-factor must be >= 1, got 0.0"], id="plan-moe-load-below-one"),
+    pytest.param(["memory-plan", "--config", "quickstart", "--world", "0"], 2,
+                 ["error: --world must be an integer > 0, got 0"], id="plan-zero-world"),
+    pytest.param(["memory-plan", "--config", "kimi_k3_eagle3", "--target-config", "k33"], 2,
+                 ["error: --target-config: 'k33' is neither a preset (k3, k3-tiny"], id="plan-unknown-preset"),
 ]  # fmt: skip
 
 
@@ -674,3 +693,28 @@ def test_validation_files_that_are_training_files_are_refused(tmp_path, chat_row
                              "training rows"]):  # fmt: skip
         data.setup("fit")
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--num-draft-tokens", "0"], "error: --num-draft-tokens must be an integer > 0, got 0"),
+        (["--max-new-tokens", "-1"], "error: --max-new-tokens must be an integer > 0, got -1"),
+        (["--temperature", "-0.5"], "error: --temperature must be >= 0, got -0.5"),
+    ],
+)
+def test_acceptance_flags_are_refused_by_name(flags, message):
+    """Before: ``--num-draft-tokens 0`` printed ``tau_real 1.000`` as a measurement."""
+    from lightning_eagle.commands.acceptance import main as acceptance_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        acceptance_main(["--target", "quickstart", "--draft", "unused", *flags])
+    assert str(exit_info.value.code) == message
+
+
+def test_acceptance_refusals_are_one_line(tmp_path):
+    from lightning_eagle.commands.acceptance import main as acceptance_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        acceptance_main(["--target", "quickstart", "--draft", str(tmp_path / "nowhere")])
+    assert str(exit_info.value.code).startswith(f"error: draft folder '{tmp_path / 'nowhere'}' does not exist")

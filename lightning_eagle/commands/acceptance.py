@@ -17,6 +17,7 @@ import torch
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK
 from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS
+from lightning_eagle.settings import check_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +57,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    """Run the report; a bad flag, file or checkpoint ends in one ``error:`` line and exit status 1."""
+    try:
+        _report(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
+    except (ValueError, KeyError, OSError) as err:  # the input is wrong (the message names it), not the library
+        raise SystemExit(f"error: {err.args[0] if isinstance(err, KeyError) and err.args else err}") from None
+
+
+def _report(args: argparse.Namespace) -> None:
+    check_settings("", {  # each numeric flag under its own name, before any model is read
+        "--num-prompts": (args.num_prompts, "positive", int),
+        "--max-new-tokens": (args.max_new_tokens, "positive", int),
+        "--num-draft-tokens": (args.num_draft_tokens, "positive", int),
+        "--temperature": (args.temperature, "non_negative", float),
+        "--prefill-chunk": (args.prefill_chunk, "non_negative", int),
+        **{flag: (value, "positive", int) for flag, value in (("--threads", args.threads),
+           ("--max-prompt-tokens", args.max_prompt_tokens)) if value is not None},
+    })  # fmt: skip
     # Imported after parsing: `--help` and a bad flag answer without loading the model code.
     from lightning_eagle.draft import KimiK3Eagle3Draft
     from lightning_eagle.inference.acceptance import evaluate_acceptance, save_report

@@ -111,6 +111,10 @@ class Eagle3CLI(LightningCLI):
 RUN_CLASSES = {"model_class": Eagle3Module, "datamodule_class": LightningDataModule, "subclass_mode_data": True}
 
 
+# argparse would take `--model.objective.ttt_step 3` as `ttt_steps` (a unique prefix): a typo must fail, not guess
+NO_ABBREVIATIONS = {"allow_abbrev": False}
+
+
 def refuse_flat_settings(words: list[str]) -> None:
     """Refuse a run config or an option in the flat ``model.*`` shape (``model.ttt_steps``), naming the setting's
     place in the groups of :mod:`lightning_eagle.run_settings`, before LightningCLI parses anything."""
@@ -136,7 +140,11 @@ def make_cli(words: list[str], from_sys_argv: bool, run: bool = True) -> Eagle3C
     if from_sys_argv:  # LightningCLI warns when given `args` while sys.argv has arguments too
         sys.argv[1:] = words
     return Eagle3CLI(
-        **RUN_CLASSES, run=run, args=None if from_sys_argv else words, save_config_kwargs={"overwrite": True}
+        **RUN_CLASSES,
+        run=run,
+        args=None if from_sys_argv else words,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs=NO_ABBREVIATIONS,
     )
 
 

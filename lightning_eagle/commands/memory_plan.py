@@ -22,7 +22,7 @@ from typing import Any
 
 from jsonargparse import Namespace
 
-from lightning_eagle.commands.cli import RUN_CLASSES, Eagle3CLI, refuse_flat_settings
+from lightning_eagle.commands.cli import NO_ABBREVIATIONS, RUN_CLASSES, Eagle3CLI, refuse_flat_settings
 from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.draft.config import Eagle3DraftConfig
 from lightning_eagle.k3.config import KimiK3TextConfig
@@ -32,6 +32,7 @@ from lightning_eagle.parallel.memory import GB
 from lightning_eagle.parallel.memory_plan import PlanInputs, build_plan, format_plan, plan_header, smallest_fit, verdict
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
 from lightning_eagle.run_settings import DraftSettings, ObjectiveSettings, TargetSettings
+from lightning_eagle.settings import check_settings
 
 
 class PlanConfigError(ValueError):
@@ -112,7 +113,7 @@ def parse_run_config(path: str | Path) -> Namespace:
         raise PlanConfigError("--config", str(err)) from None
     cli = _ParseOnlyCLI(
         **RUN_CLASSES, run=False, args=["--config", str(file)], load_from_checkpoint_support=False,
-        parser_kwargs={"exit_on_error": False},
+        parser_kwargs={"exit_on_error": False, **NO_ABBREVIATIONS},
     )  # fmt: skip
     for section in ("trainer", "model", "data"):
         if not isinstance(cli.config.get(section), Namespace):
@@ -165,6 +166,11 @@ def _target_config(value: str, fallback: str | None) -> tuple[KimiK3TextConfig, 
             config, label = config_from_name(fallback), f"preset {fallback!r}"
         else:
             path = Path(fallback)
+            if not path.exists():
+                presets = ", ".join(sorted(PRESETS))
+                raise PlanConfigError(
+                    "--target-config", f"{fallback!r} is neither a preset ({presets}) nor a config.json or a folder"
+                )
             config, label = read_config(path.parent if path.name == "config.json" else path), str(path)
     except CheckpointError as err:
         raise PlanConfigError("model.target", str(err)) from None
@@ -280,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         help="override target_shard_dense (default: the config's, else on when world > 1)",
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="kernels to plan for")
-    parser.add_argument("--reserve-gb", type=float, default=4.0, help="runtime reserve per GPU (default 4)")
+    parser.add_argument("--reserve-gb", type=float, default=None,
+                        help="runtime reserve per GPU (default 4 on cuda, for the CUDA context; 0 on cpu)")  # fmt: skip
     parser.add_argument(
         "--moe-load-factor",
         type=float,
@@ -289,6 +296,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-nodes", type=int, default=256, help="largest cluster the fit search tries")
     args = parser.parse_args(argv)
+    if args.reserve_gb is None:
+        args.reserve_gb = 4.0 if args.device == "cuda" else 0.0
+    try:
+        check_settings("", {
+            "--gpu-gb": (args.gpu_gb, "positive", float), "--reserve-gb": (args.reserve_gb, "non_negative", float),
+            "--moe-load-factor": (args.moe_load_factor, "at_least_one", float),
+            "--max-nodes": (args.max_nodes, "positive", int),
+            **{flag: (value, "positive", int) for flag, value in (("--world", args.world), ("--ep", args.ep))
+               if value is not None},
+        })  # fmt: skip
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     try:
         run = run_config_from_yaml(
             args.config, target_config=args.target_config, world=args.world, ep=args.ep,

@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_eagle.draft.export import export_draft
+from lightning_eagle.errors import RunError
 
 
 class ExportDraftCallback(pl.Callback):
@@ -27,6 +28,11 @@ class ExportDraftCallback(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module) -> None:
         import torch
 
+        if trainer.global_step == 0:  # every rank: nothing was trained, so nothing is exported as if it had been
+            raise RunError(
+                "the run took no optimizer step (trainer.max_steps 0, no training rows, or stopped before the first "
+                "step): there is no trained draft to export; nothing was exported"
+            )
         if not trainer.is_global_zero:
             return
         source = pl_module
