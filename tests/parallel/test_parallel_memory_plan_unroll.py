@@ -353,7 +353,9 @@ def sp_census(case: str):
     from lightning_eagle.parallel.local_launch import launch_local
 
     inputs = SP_CASES[case]()
-    return planned(inputs), launch_local(_sp_census_rank, 2, inputs)
+    # spawned, not forked: a fresh interpreter per rank, so what earlier tests left in this process (garbage awaiting
+    # the cycle collector, caches) cannot move the census
+    return planned(inputs), launch_local(_sp_census_rank, 2, inputs, start_method="spawn")
 
 
 @pytest.mark.multiprocess
