@@ -32,6 +32,7 @@ got str "bot"``. For Parquet the "line" is the 1-based row number in the file.
 
 from __future__ import annotations
 
+import errno
 import glob
 import gzip
 import io
@@ -103,6 +104,18 @@ def _hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
+def _broken_link(path: Path) -> str:
+    """``path`` (a symlink that does not resolve) and why: a dangling target or a loop."""
+    try:
+        path.resolve(strict=True)
+    except RuntimeError:  # Python 3.10-3.12 report a symlink loop this way
+        return f"{str(path)!r} (a symlink loop)"
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return f"{str(path)!r} (a symlink loop)"
+    return f"{str(path)!r} (a dangling symlink to {os.readlink(path)!r})"
+
+
 def expand_paths(specs: Sequence[str | os.PathLike]) -> list[str]:
     """Files, globs (``data/*.jsonl``, ``data/**/*.parquet``) and directories (every supported file inside, recursive,
     hidden names skipped) → a list of files, each glob/directory sorted. Raises ``FileNotFoundError`` naming every
@@ -110,19 +123,22 @@ def expand_paths(specs: Sequence[str | os.PathLike]) -> list[str]:
     files: list[str] = []
     missing: list[str] = []
     empty: list[str] = []
+    unreadable: list[str] = []  # a shard that is listed or matched but cannot be opened is never skipped silently
     for spec in specs:
         spec = str(spec)
         path = Path(spec)
         if path.is_file():
             files.append(spec)
         elif path.is_dir():
-            found = sorted(
-                str(p) for p in path.rglob("*") if p.is_file() and is_supported_file(p) and not _hidden(p, path)
-            )
-            if not found:
+            entries = [p for p in path.rglob("*") if is_supported_file(p) and not _hidden(p, path)]
+            unreadable += [_broken_link(p) for p in entries if p.is_symlink() and not p.exists()]
+            found = sorted(str(p) for p in entries if p.is_file())
+            if not found and not unreadable:
                 empty.append(f"directory {spec!r}")
             files += found
         elif _has_magic(spec):
+            links = [Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_symlink() and not Path(p).exists()]
+            unreadable += [_broken_link(p) for p in links if is_supported_file(p)]
             matched = sorted(p for p in glob.glob(spec, recursive=True) if Path(p).is_file())
             found = [p for p in matched if is_supported_file(p)]
             if not found:
@@ -131,6 +147,8 @@ def expand_paths(specs: Sequence[str | os.PathLike]) -> list[str]:
             files += found
         else:
             missing.append(spec)
+    if unreadable:
+        raise FileNotFoundError(f"chat data file(s) that cannot be read: {'; '.join(sorted(unreadable))}")
     if missing:
         raise FileNotFoundError(f"chat data file(s) not found: {missing}")
     if empty:

@@ -451,6 +451,22 @@ def test_glob_and_directory_expansion(tmp_path, k3_tok):
         build([tmp_path / "empty"], k3_tok)
 
 
+def test_a_shard_that_cannot_be_read_is_named_never_skipped(tmp_path):
+    """Before: dangling symlinks and symlink loops in a data folder or glob were skipped without a word (the run
+    trained on what was left, exit 0). Now every one is named, with why, in one error."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    write_jsonl(data_dir / "a.jsonl", [SHAREGPT])
+    (data_dir / "b.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    (data_dir / "c.jsonl").symlink_to(data_dir / "c.jsonl")
+    (data_dir / "note.txt").symlink_to(tmp_path / "gone.txt")  # not a data file: not the run's business
+    expected = (rf"chat data file\(s\) that cannot be read: '{data_dir}/b.jsonl' \(a dangling symlink to "
+                rf"'{tmp_path}/gone.jsonl'\); '{data_dir}/c.jsonl' \(a symlink loop\)$")  # fmt: skip
+    for spec in (data_dir, str(data_dir / "*.jsonl")):
+        with pytest.raises(FileNotFoundError, match=expected):
+            expand_paths([spec])
+
+
 def test_datamodule_format_argument_globs_and_prompts(tmp_path):
     from lightning_eagle.data.prompts import prompts_from_datamodule
 
