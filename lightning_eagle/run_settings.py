@@ -21,6 +21,7 @@ A run config in the flat shape these groups replaced (``model.ttt_steps``) is re
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -65,11 +66,11 @@ class TargetSettings:
     """
 
     path: str = "quickstart"
-    source: Literal["online", "features"] = "online"
+    source: Literal[TARGET_SOURCES] = "online"
     aux_layer_ids: tuple[int, ...] | None = None
-    aux_stream: Literal["prefix", "mixed"] = "prefix"
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    expert_storage: Literal["dequantized", "mxfp4"] = "dequantized"
+    aux_stream: Literal[AUX_STREAMS] = "prefix"
+    dtype: Literal[TARGET_DTYPES] = "bfloat16"
+    expert_storage: Literal[EXPERT_STORAGES] = "dequantized"
     token_chunk: int | None = None
 
     def __post_init__(self) -> None:
@@ -99,11 +100,11 @@ class DraftSettings:
 
     config: dict[str, Any] | None = None
     attention_backend: str = "auto"
-    ttt_kv_cache: Literal["expanded", "latent"] = "expanded"
+    ttt_kv_cache: Literal[TTT_KV_CACHES] = "expanded"
     activation_checkpointing: bool = False
     shard: bool = False
     init_seed: int = 0
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal[DRAFT_DTYPES] = "float32"
 
     def __post_init__(self) -> None:
         if self.config is not None and not isinstance(self.config, Mapping):
@@ -168,8 +169,6 @@ class ObjectiveSettings:
         except ValueError as err:
             raise ValueError(f"model.objective.loss_backend: {err}") from None
         if self.ttt_steps > MAX_USEFUL_TTT_STEPS:
-            import warnings
-
             warnings.warn(
                 f"model.objective.ttt_steps={self.ttt_steps}: engines draft 3-8 tokens and the step weights decay^k "
                 f"make steps past ~{MAX_USEFUL_TTT_STEPS} cost compute and memory for almost no signal",

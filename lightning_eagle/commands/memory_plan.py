@@ -31,7 +31,7 @@ from lightning_eagle.parallel.layout import LAYOUT_SETTINGS, ParallelLayout
 from lightning_eagle.parallel.memory import GB
 from lightning_eagle.parallel.memory_plan import PlanInputs, build_plan, format_plan, plan_header, smallest_fit, verdict
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
-from lightning_eagle.run_settings import DraftSettings, ObjectiveSettings, TargetSettings
+from lightning_eagle.run_settings import as_settings
 from lightning_eagle.settings import check_settings
 
 
@@ -178,13 +178,11 @@ def _target_config(value: str, fallback: str | None) -> tuple[KimiK3TextConfig, 
     return config, None, label, [notice]
 
 
-def _settings(model: Namespace, group: str, kind: type):
-    """``model.<group>`` made into its settings type, as ``fit`` makes it (the type's own check, key-named)."""
+def _settings(model: Namespace, group: str):
+    """``model.<group>`` made into its settings type as ``fit`` makes it (``as_settings``: the type's own check)."""
     value = model.get(group)
-    if isinstance(value, kind):
-        return value
     try:
-        return kind(**(vars(value) if isinstance(value, Namespace) else dict(value or {})))
+        return as_settings(group, vars(value) if isinstance(value, Namespace) else value or {})
     except (TypeError, ValueError) as err:  # the settings' own messages name their key
         raise PlanConfigError(None if str(err).startswith(f"model.{group}") else f"model.{group}", str(err)) from None
 
@@ -231,9 +229,9 @@ def run_config_from_yaml(
     groups (defaults included), the strategy's layout, the data module's batch and length."""
     config = parse_run_config(path)
     trainer, model, data = config.trainer, config.model, config.data.init_args
-    target = _settings(model, "target", TargetSettings)
-    draft_settings = _settings(model, "draft", DraftSettings)
-    objective = _settings(model, "objective", ObjectiveSettings)
+    target = _settings(model, "target")
+    draft_settings = _settings(model, "draft")
+    objective = _settings(model, "objective")
     target_config_, folder, label, notices = _target_config(target.path, target_config)
     try:
         spec = TargetSpec.from_settings(target, config=target_config_ if folder is None else None)

@@ -32,11 +32,11 @@ from lightning_eagle.draft import ttt_attention as tta
 from lightning_eagle.draft.block_attention import accumulate_dtype
 from lightning_eagle.draft.cache import TTTCache
 from lightning_eagle.ops.mla import expand_latent_kv
+from lightning_eagle.run_settings import TTT_KV_CACHES
 
-TTT_KV_CACHES = {
-    "expanded": "per-head K/V of every step, n·(d_qk+d_v) values per token: the plain twin",
-    "latent": "MLA's normalised KV latent + shared rope key, r + d_rope values per token, expanded inside each step",
-}
+# The ttt_kv_cache names (run_settings.TTT_KV_CACHES): "expanded" keeps per-head K/V of every step, n·(d_qk+d_v)
+# values per token (the plain twin); "latent" keeps MLA's normalised KV latent + shared rope key, r + d_rope values per
+# token, expanded inside each step.
 DEFAULT_TTT_KV_CACHE = "expanded"
 
 

@@ -37,8 +37,7 @@ from torch import nn
 from lightning_eagle.backends import BackendRegistry, BackendSetting
 from lightning_eagle.k3.mxfp4 import GROUP_SIZE, decode_mxfp4
 from lightning_eagle.ops.situ import situ_and_mul
-
-EXPERT_STORAGES = ("dequantized", "mxfp4")
+from lightning_eagle.run_settings import EXPERT_STORAGES
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _GROUPED_MM_PROBES: dict[tuple[str, int | None, torch.dtype], bool] = {}

@@ -225,6 +225,10 @@ def target_parallelism(strategy: Any | None) -> TargetParallelism:
     return ReplicatedTarget(getattr(strategy, "world_size", 1) or 1)
 
 
+DRAFT_PLACEMENT_MEMBERS = ("draft_sequence_parallel_size", "draft_sequence_parallel_group", "sequence_shard",
+                           "world_mesh")  # fmt: skip
+
+
 class DraftPlacement(Protocol):
     """How a strategy places the draft; what ``Eagle3Module`` asks of ``trainer.strategy`` for it (draft sequence
     parallelism and FSDP2 sharding). ``ExpertParallelStrategy`` implements it; any other strategy gets
@@ -274,10 +278,6 @@ def draft_placement(strategy: Any | None) -> DraftPlacement:
     if all(hasattr(type(strategy), name) for name in DRAFT_PLACEMENT_MEMBERS):
         return strategy
     return SingleDraftGroup(strategy)
-
-
-DRAFT_PLACEMENT_MEMBERS = ("draft_sequence_parallel_size", "draft_sequence_parallel_group", "sequence_shard",
-                           "world_mesh")  # fmt: skip
 
 
 def draft_mesh(trainer: Any | None) -> Any:

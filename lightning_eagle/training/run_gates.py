@@ -20,7 +20,7 @@ def refuse_unsupported_run(module, stage: str) -> None:
             "parameters and MXFP4 scales; use precision='32-true' with model.draft.dtype='bfloat16', or 'bf16-mixed'"
         )
     spec = module.target_spec
-    check_features_manifest(features_manifest(trainer), module.target_settings, spec, list(spec.aux_layer_ids))
+    check_features_manifest(features_manifest(trainer), module.target_settings, spec)
     check_draft_sequence_parallel(
         module.placement.draft_sequence_parallel_size, num_attention_heads=module.draft_config.num_attention_heads,
         draft=module.draft_settings, target_source=module.target_settings.source, stage=stage,

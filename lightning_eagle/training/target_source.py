@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.features.teacher_head import TeacherHead
 from lightning_eagle.k3.capture import capture_taps
 from lightning_eagle.k3.model import KimiK3ForCausalLM, set_token_chunk
@@ -92,9 +91,7 @@ class DumpedFeatures(TargetSource):
         return batch["aux_hidden_states"].to(dtype), final, self.head.lm_head
 
 
-def check_features_manifest(
-    manifest: dict[str, Any] | None, settings: TargetSettings, spec: TargetSpec, aux_layer_ids: list[int]
-) -> None:
+def check_features_manifest(manifest: dict[str, Any] | None, settings: TargetSettings, spec: TargetSpec) -> None:
     """Features must come from this target with these taps; online runs must not be handed features."""
     features = settings.source == "features"
     if features != (manifest is not None):
@@ -105,7 +102,7 @@ def check_features_manifest(
         )  # fmt: skip
     if not features:
         return
-    where = f"the features in {manifest['folder']}"
+    where, aux_layer_ids = f"the features in {manifest['folder']}", list(spec.aux_layer_ids)
     if manifest["target"]["config_sha256"] != spec.fingerprint:
         raise ValueError(
             f"{where} were dumped from another target (config fingerprint {manifest['target']['config_sha256']}, "
@@ -119,17 +116,16 @@ def check_features_manifest(
         )
 
 
-def dumped_features(spec: TargetSpec, settings: TargetSettings, manifest: dict[str, Any] | None,
-                    device: torch.device) -> DumpedFeatures:  # fmt: skip
+def dumped_features(spec: TargetSpec, manifest: dict[str, Any] | None, device: torch.device) -> DumpedFeatures:
     """The teacher head of ``spec``'s checkpoint, for the dump ``manifest`` describes (pre- or post-norm hidden)."""
     prenorm = True if manifest is None else manifest["hidden_states"] == "prenorm"
     head = TeacherHead.from_checkpoint(spec.path, prenorm=prenorm, dtype=torch.float32)
-    return DumpedFeatures(head.to(device=device, dtype=DTYPES[settings.dtype]), prenorm)
+    return DumpedFeatures(head.to(device=device, dtype=spec.torch_dtype), prenorm)
 
 
 def target_source(owner, spec: TargetSpec, settings: TargetSettings, device: torch.device) -> TargetSource:
     """The source ``model.target.source`` names, for ``owner``'s rank: the frozen K3 placed by its strategy, or the
     teacher head of the run's dumped features."""
     if settings.source == "features":
-        return dumped_features(spec, settings, features_manifest(owner._trainer), device)
+        return dumped_features(spec, features_manifest(owner._trainer), device)
     return OnlineTarget(load_frozen_target(owner, spec), spec, settings.token_chunk)
