@@ -5,19 +5,37 @@ to disk with ``fsync`` (data, then the parent folder's entry), and only then tak
 start with ``.`` and end in ``.partial``; a crashed writer's leftovers are removed by the next write of the same
 name. Permissions follow the umask like any ``open()``: ``tempfile`` would make them private (0600/0700), and a
 serving process running as another user must be able to read an export.
+
+A write the operating system refuses (no space, a file-size limit, a read-only or foreign folder) raises
+:class:`~lightning_eagle.errors.OutputWriteError` naming the file and the cause, with the original error chained;
+serializers that hide the cause (``torch.save`` reports only a stream position) are explained from the limits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import resource
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from lightning_eagle.errors import OutputWriteError
+
 PARTIAL_SUFFIX = ".partial"
+# why the operating system refuses a write, in the words a user acts on
+WRITE_REFUSALS = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EFBIG: "the file is larger than this process may write (the file-size limit, ulimit -f)",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied (the folder is not writable by this user)",
+    errno.EPERM: "operation not permitted (the folder is not writable by this user)",
+}
+LOW_SPACE_BYTES = 1 << 20
 
 
 def _umask() -> int:
@@ -54,6 +72,48 @@ def remove_partials(folder: Path, name: str = "*") -> None:
             stale.unlink(missing_ok=True)
 
 
+def write_refusal(exc: BaseException, folder: Path, written: Path | None = None) -> str | None:
+    """Why the operating system refused a write into ``folder`` that raised ``exc``, or None (not an OS refusal).
+
+    ``written`` is the partial output: ``torch.save`` reports a full disk or the file-size limit only as a stream
+    position mismatch, so its size is compared with ``RLIMIT_FSIZE`` and the folder's free space is looked at.
+    """
+    if not isinstance(exc, Exception):
+        return None
+    if isinstance(exc, OSError) and exc.errno in WRITE_REFUSALS:
+        return WRITE_REFUSALS[exc.errno]
+    for code, reason in WRITE_REFUSALS.items():  # serializers that wrap the OS error keep its text
+        if os.strerror(code) in str(exc):
+            return reason
+    if not isinstance(exc, (OSError, RuntimeError)):
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    sizes = [p.stat().st_size for p in ([written] if written.is_file() else written.rglob("*")) if p.is_file()] if (
+        written is not None and written.exists()) else []  # fmt: skip
+    if limit != resource.RLIM_INFINITY and sizes and max(sizes) >= limit - 4096:
+        return WRITE_REFUSALS[errno.EFBIG]
+    with contextlib.suppress(OSError):
+        if shutil.disk_usage(folder).free < LOW_SPACE_BYTES:
+            return WRITE_REFUSALS[errno.ENOSPC]
+    return None
+
+
+@contextlib.contextmanager
+def explained_write(final: Path, partial: Path, cleanup: Callable[[], None]) -> Iterator[None]:
+    """On a failure inside the block: explain it (an OS refusal becomes one :class:`OutputWriteError` naming
+    ``final`` and the cause), then ``cleanup()`` the partial output; a cleanup's own error never hides the cause."""
+    try:
+        yield
+    except BaseException as exc:
+        folder = next((p for p in final.parents if p.exists()), Path.cwd())
+        reason = write_refusal(exc, folder, partial)
+        with contextlib.suppress(OSError):
+            cleanup()
+        if reason is None:
+            raise
+        raise OutputWriteError(f"cannot write {final}: {reason} ({exc}); nothing was written under that name") from exc
+
+
 def _partial_name(final: Path) -> Path:
     return final.parent / f".{final.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
 
@@ -62,18 +122,15 @@ def _partial_name(final: Path) -> Path:
 def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path to write; on success it becomes ``path`` (replacing any old file)."""
     final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    remove_partials(final.parent, final.name)
     tmp = _partial_name(final)
-    try:
+    with explained_write(final, tmp, cleanup=lambda: tmp.unlink(missing_ok=True)):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_partials(final.parent, final.name)
         yield tmp
         os.chmod(tmp, 0o666 & ~_umask())
         fsync_tree(tmp)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def weights_folder_problem(folder: Path, architectures: frozenset[str]) -> str | None:
@@ -124,11 +181,11 @@ def atomic_dir(
                 f"refusing to replace {final}: {problem}. --overwrite (overwrite=True) only replaces a previous write "
                 "of the same kind; choose another folder"
             )
-    final.parent.mkdir(parents=True, exist_ok=True)
-    remove_partials(final.parent, final.name)
     tmp = _partial_name(final)
-    tmp.mkdir(mode=0o777 & ~_umask())
-    try:
+    with explained_write(final, tmp, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_partials(final.parent, final.name)
+        tmp.mkdir(mode=0o777 & ~_umask())
         yield tmp
         for p in tmp.rglob("*"):
             os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~_umask())
@@ -141,6 +198,27 @@ def atomic_dir(
         else:
             os.replace(tmp, final)
         _fsync_dir(final.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+
+def check_writable(folder: str | os.PathLike, what: str) -> None:
+    """Refuse, before any work, an output ``folder`` this process cannot create or write into: a file in its place,
+    a read-only file system, no permission, no space. Probes the folder itself, or the nearest existing ancestor
+    when it is still to be created (nothing is created by the check)."""
+    folder = Path(folder).absolute()
+    existing = next(p for p in [folder, *folder.parents] if p.exists())
+    if not existing.is_dir():
+        raise OutputWriteError(f"{what} {folder} cannot be created: {existing} exists and is not a folder")
+    probe = existing / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+    except OSError as exc:
+        reason = write_refusal(exc, existing) or exc.strerror or str(exc)
+        target = "write into" if existing == folder else f"create it ({existing} refuses new entries)"
+        raise OutputWriteError(f"{what} {folder}: cannot {target}: {reason}") from exc
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        if shutil.disk_usage(existing).free < LOW_SPACE_BYTES:
+            raise OutputWriteError(f"{what} {folder}: {WRITE_REFUSALS[errno.ENOSPC]}")

@@ -20,3 +20,8 @@ class RunError(RuntimeError):
 class NonFiniteTrainingError(RunError):
     """The loss, the gradients or the updated draft weights became NaN/inf; nothing of that step is checkpointed or
     exported."""
+
+
+class OutputWriteError(RunError):
+    """The operating system refused to write an output (no space, a file-size limit, read-only, not writable): the
+    message names the file and the cause; nothing is left under the output's name."""

@@ -1,10 +1,13 @@
-"""Used by the kill -9 test inside its ``cli.py fit`` subprocess (``tests/`` is on its ``PYTHONPATH``)."""
+"""Used by the kill -9 and preemption tests inside their ``cli.py fit`` subprocesses (``tests/`` is on their
+``PYTHONPATH``)."""
 
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
+
+from lightning.pytorch import Callback
 
 from lightning_eagle.checkpoint_io import AtomicCheckpointIO
 
@@ -17,3 +20,14 @@ class StallingCheckpointIO(AtomicCheckpointIO):
         if os.environ.get("STALL_AT", "\0") in final.name:
             Path(os.environ["STALL_MARKER"]).write_text(str(tmp))
             time.sleep(120)
+
+
+class SignalAtStep(Callback):
+    """Sends this process a real ``signum`` when batch ``at_batch`` starts (a scheduler's preemption, on cue)."""
+
+    def __init__(self, at_batch: int, signum: int = 15) -> None:
+        self.at_batch, self.signum = at_batch, signum
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_batch:
+            os.kill(os.getpid(), self.signum)

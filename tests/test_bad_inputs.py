@@ -33,6 +33,7 @@ from lightning_eagle.k3 import loader as target_loader
 from lightning_eagle.k3.loader import CheckpointError
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
 from lightning_eagle.parallel.validate import UnsupportedLayoutError
+from lightning_eagle.training.run_folder import LOCK_NAME
 
 LIBRARY = Path(lightning_eagle.__file__).resolve().parent
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
@@ -527,9 +528,10 @@ def test_cli(tmp_path, chat_rows, trained_ckpt, monkeypatch, capsys, argv, statu
     assert not (tmp_path / "out").exists()
     after = snapshot(tmp_path)
     assert {k for k in before if after.get(k) != before[k]} == set(), "an input file changed or vanished"
-    # LightningCLI's CSV logger may create <root>/logs/version_N (and save config.yaml there): nothing else
+    # LightningCLI's CSV logger may create <root>/logs/version_N (and save config.yaml there), a fit claims <root>
+    # (run_folder.LOCK_NAME): nothing else
     new = sorted(after.keys() - before.keys())
-    assert all(k == "run" or k.startswith("run/logs") for k in new), new
+    assert all(k in ("run", f"run/{LOCK_NAME}") or k.startswith("run/logs") for k in new), new
 
 
 # ---- checkpoints of another target / vocabulary map / data / library: resume through Trainer.fit --------------------

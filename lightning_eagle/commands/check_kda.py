@@ -11,12 +11,12 @@ atomically) is :mod:`lightning_eagle.k3.kda_records`. Exit status: 0 when every 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
 import torch
 
+from lightning_eagle.commands.arguments import CommandParser
 from lightning_eagle.k3.kda_compare import DEFAULT_RTOL, compare_kda_backends
 from lightning_eagle.k3.kda_ops import fla_kda_available
 from lightning_eagle.k3.kda_records import CHECKS_ENV, KDACheckResult, device_class_key, record_kda_check
@@ -33,7 +33,7 @@ def format_results(device: torch.device | str, results: Sequence[KDACheckResult]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m lightning_eagle.commands.check_kda",
         description="Check KDA backends against the naive twin on a whole k3-tiny model and record the result.",
     )

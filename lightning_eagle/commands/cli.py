@@ -31,11 +31,14 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_eagle.checkpoint_io import CheckpointLoadError, load_checkpoint_file
+from lightning_eagle.commands.arguments import RunParser
 from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.errors import DEBUG_ENV, RunError, debug_requested
 from lightning_eagle.run_settings import MODEL_GROUPS, refuse_flat_model_keys
 from lightning_eagle.training.module import Eagle3Module
+from lightning_eagle.training.preemption import PreemptionCheckpoint
 from lightning_eagle.training.progress import StepProgressBar
+from lightning_eagle.training.run_folder import RunFolderGuard
 from lightning_eagle.training.summary import fit_summary
 
 _CHAT_DATA = "lightning_eagle.data.datamodule.ChatDataModule"
@@ -84,11 +87,15 @@ class Eagle3CLI(LightningCLI):
             load_checkpoint_file(ckpt_path, weights_only=True)  # raises CheckpointLoadError naming the file
 
     def instantiate_trainer(self, **kwargs):
-        """The step-counting progress bar unless the config disables the bar or brings its own."""
+        """The step-counting progress bar unless the config disables the bar or brings its own; for ``fit``, the
+        output-folder claim and the preemption checkpoint unless the config brings its own."""
         config = self._get(self.config_init, "trainer", default={})
         callbacks = list(config.get("callbacks") or [])
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            config["callbacks"] = [*callbacks, StepProgressBar()]
+            callbacks.append(StepProgressBar())
+        if self.subcommand == "fit":
+            callbacks += [kind() for kind in (RunFolderGuard, PreemptionCheckpoint) if not _has(callbacks, kind)]
+        config["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
 
     def after_instantiate_classes(self) -> None:
@@ -107,12 +114,12 @@ class Eagle3CLI(LightningCLI):
             print(fit_summary(self.trainer))
 
 
+def _has(callbacks: list, kind: type) -> bool:
+    return any(isinstance(c, kind) for c in callbacks)
+
+
 # What every run config describes: an Eagle3Module and any LightningDataModule (`data.class_path`).
 RUN_CLASSES = {"model_class": Eagle3Module, "datamodule_class": LightningDataModule, "subclass_mode_data": True}
-
-
-# argparse would take `--model.objective.ttt_step 3` as `ttt_steps` (a unique prefix): a typo must fail, not guess
-NO_ABBREVIATIONS = {"allow_abbrev": False}
 
 
 def refuse_flat_settings(words: list[str]) -> None:
@@ -144,7 +151,7 @@ def make_cli(words: list[str], from_sys_argv: bool, run: bool = True) -> Eagle3C
         run=run,
         args=None if from_sys_argv else words,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs=NO_ABBREVIATIONS,
+        parser_class=RunParser,
     )
 
 
@@ -180,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         print(f"error: {_real_reason(message)}\n(full traceback: add --debug or set {DEBUG_ENV}=1)", file=sys.stderr)
-        raise SystemExit(1) from None
+        raise SystemExit(getattr(exc, "exit_status", 1)) from None
     if isinstance(status, int) and status:
         raise SystemExit(status)
 

@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from lightning_eagle.commands.arguments import CommandParser
 from lightning_eagle.commands.config_cli import chat_data_cli
 from lightning_eagle.data.report import data_report
 
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None, from_sys_argv: bool = False) -> None:
 
     ``from_sys_argv``: True when ``argv`` is ``sys.argv`` after the subcommand (as ``lightning-eagle`` passes it).
     """
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lightning-eagle data-report",
         description="Tokenize the config's chat data as fit would and report rows kept/refused, truncation, "
         "rows and tokens each max_length of 2K-64K would cut, supervised fraction, lengths, roles and draft-vocab "

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from lightning_eagle.commands.arguments import CommandParser
 from lightning_eagle.commands.config_cli import chat_data_cli
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.features import format as fmt
@@ -14,7 +14,7 @@ from lightning_eagle.features.dump import dump_features
 
 
 def main(words: list[str] | None = None, from_sys_argv: bool = False) -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lightning-eagle dump",
         description="Run the frozen target once over the config's data and store its EAGLE-3 features "
         "(then train with model.target.source: features, e.g. configs/quickstart_offline.yaml). Other options "

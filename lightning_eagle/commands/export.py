@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from lightning_eagle.commands.arguments import CommandParser
 from lightning_eagle.dtypes import DTYPES
 
 
@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> None:
     from lightning_eagle.draft.export import export_draft
     from lightning_eagle.draft.serving_format import CONFIG_NAME, serving_instructions
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lightning-eagle export", description="Write a trained draft in the EAGLE-3 serving layout."
     )
     parser.add_argument("checkpoint", help="Lightning checkpoint file or DCP folder written by fit")

@@ -22,7 +22,8 @@ from typing import Any
 
 from jsonargparse import Namespace
 
-from lightning_eagle.commands.cli import NO_ABBREVIATIONS, RUN_CLASSES, Eagle3CLI, refuse_flat_settings
+from lightning_eagle.commands.arguments import CommandParser, RunParser
+from lightning_eagle.commands.cli import RUN_CLASSES, Eagle3CLI, refuse_flat_settings
 from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.draft.config import Eagle3DraftConfig
 from lightning_eagle.k3.config import KimiK3TextConfig
@@ -113,7 +114,8 @@ def parse_run_config(path: str | Path) -> Namespace:
         raise PlanConfigError("--config", str(err)) from None
     cli = _ParseOnlyCLI(
         **RUN_CLASSES, run=False, args=["--config", str(file)], load_from_checkpoint_support=False,
-        parser_kwargs={"exit_on_error": False, **NO_ABBREVIATIONS},
+        parser_kwargs={"exit_on_error": False},
+        parser_class=RunParser,
     )  # fmt: skip
     for section in ("trainer", "model", "data"):
         if not isinstance(cli.config.get(section), Namespace):
@@ -267,7 +269,7 @@ def run_config_from_yaml(
 def main(argv: list[str] | None = None) -> int:
     """Print the plan of a run config; the last line starts with ``fits`` or ``does not fit``. Exit 0 either way,
     2 for a config the plan cannot read (the message names the field)."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lightning-eagle memory-plan",
         description="Per-GPU peak memory plan of a draft-training run config (LightningCLI YAML).",
     )

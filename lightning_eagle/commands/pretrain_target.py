@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lightning_eagle.commands.arguments import CommandParser
 from lightning_eagle.data import ChatDataModule
 from lightning_eagle.k3.loader import QUICKSTART_TARGET
 from lightning_eagle.k3.model import KimiK3ForCausalLM
@@ -101,7 +102,7 @@ def pretrain_tiny_target(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m lightning_eagle.commands.pretrain_target",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from lightning_eagle.commands.arguments import CommandParser
 from lightning_eagle.data.regenerate import (
     CONTEXTS,
     EndpointEngine,
@@ -26,7 +27,7 @@ from lightning_eagle.inference.local_engine import load_local_engine
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lightning-eagle regenerate",
         description="Replace every assistant turn of a chat file by the target's own response (resumable).",
     )

@@ -12,13 +12,14 @@ import time
 
 import torch
 
+from lightning_eagle.commands.arguments import CommandParser
 from lightning_eagle.k3.model import KimiK3ForCausalLM
 from lightning_eagle.k3.presets import config_from_name
 from lightning_eagle.k3.writer import save_k3_checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m lightning_eagle.commands.smoke_target",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -4,15 +4,15 @@ regenerates the bundled sample file, which a test checks byte for byte against t
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from lightning_eagle.commands.arguments import CommandParser
 from lightning_eagle.data.synthetic_corpus import BUNDLED_SAMPLE, SAMPLE_SEED, SAMPLE_SIZE, write_synthetic_corpus
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write the synthetic chat corpus as JSONL.")
+    parser = CommandParser(description="Write the synthetic chat corpus as JSONL.")
     parser.add_argument("--n", type=int, default=SAMPLE_SIZE)
     parser.add_argument("--seed", type=int, default=SAMPLE_SEED)
     parser.add_argument("--out", type=Path, default=None, help="default: the bundled sample file")
