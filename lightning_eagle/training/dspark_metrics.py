@@ -8,7 +8,8 @@ With ``a_i = 1 − TV_i`` the analytic acceptance probability of a supervised sl
 * ``accept_k = Σ_{slot k supervised} a / #(slot k supervised)``;
 * ``tau_sim = mean over blocks of 1 + Σ_k Π_{i≤k} a_i`` (an unsupervised slot ends its block's product: the
   reference's rule; the blocks are the kept anchors, each with slot 0 supervised);
-* ``confidence_abs_error`` / ``confidence_bias``: ``σ(c) − a``, absolute / signed, weighted by the slot weights;
+* ``confidence_abs_error`` / ``confidence_bias``: ``σ(c) − a``, absolute / signed, weighted by the slot weights
+  (the reference's weighting; absent without a confidence head);
 * ``anchors_per_row``: kept anchors per batch row.
 
 Usage in a LightningModule: create in ``__init__``, ``metric.update(dspark_block_stats(blocks.valid, keep, out))``,
@@ -56,16 +57,19 @@ def dspark_block_stats(valid: torch.Tensor, keep: torch.Tensor, loss) -> DSparkS
     accept = accept.view(B, A, g)  # 0 at unsupervised slots: they end the product
     survival = accept.cumprod(dim=-1)
     blocks = keep.to(torch.bool) & valid.any(dim=-1)
-    error = torch.sigmoid(loss.confidence_logit.double()) - accept_rows
     w = loss.weights.double()
+    if loss.confidence_logit is None:  # no confidence head: no confidence weight, no confidence metrics
+        error, w_conf = torch.zeros_like(accept_rows), torch.zeros_like(w)
+    else:
+        error, w_conf = torch.sigmoid(loss.confidence_logit.double()) - accept_rows, w
     return DSparkStats(
         accept_sum=accept.sum(dim=(0, 1)),
         accept_count=valid.sum(dim=(0, 1)).long(),
         tau_sum=((1.0 + survival.sum(-1)) * blocks).sum(),
         blocks=blocks.sum().long(),
-        confidence_abs_sum=(w * error.abs()).sum(),
-        confidence_bias_sum=(w * error).sum(),
-        confidence_weight=w.sum(),
+        confidence_abs_sum=(w_conf * error.abs()).sum(),
+        confidence_bias_sum=(w_conf * error).sum(),
+        confidence_weight=w_conf.sum(),
         anchors=keep.sum().long(),
         rows=torch.tensor(B, dtype=torch.long, device=valid.device),
     )
@@ -97,8 +101,8 @@ class DSparkMetrics(Metric):
         accept = self.accept_sum / self.accept_count.double().clamp_min(1)
         result = {f"accept_{k}": accept[k].float() for k in range(self.block_size)}
         result["tau_sim"] = (self.tau_sum / self.blocks.double().clamp_min(1)).float()
-        weight = self.confidence_weight.clamp_min(1e-12)
-        result["confidence_abs_error"] = (self.confidence_abs_sum / weight).float()
-        result["confidence_bias"] = (self.confidence_bias_sum / weight).float()
+        if self.confidence_weight > 0:  # absent when no batch had a confidence head
+            result["confidence_abs_error"] = (self.confidence_abs_sum / self.confidence_weight).float()
+            result["confidence_bias"] = (self.confidence_bias_sum / self.confidence_weight).float()
         result["anchors_per_row"] = (self.anchors.double() / self.rows.double().clamp_min(1)).float()
         return result

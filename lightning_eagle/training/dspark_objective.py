@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_eagle.settings import DEFAULT_LOSS_CHUNK
+from lightning_eagle.training.dspark_anchors import DSparkBlocks
 from lightning_eagle.training.loss import block_slot_weights
 from lightning_eagle.training.teacher import head_logits
 
@@ -75,14 +76,18 @@ class DSparkRows:
 @dataclass
 class DSparkHeads:
     """The weights the objective reads. ``lm_head_weight`` is shared with the target (frozen there);
-    ``teacher_head_weight`` defaults to it (the drafter shares the target's head)."""
+    ``teacher_head_weight`` defaults to it (the drafter shares the target's head). The confidence head is vLLM's
+    ``DSparkConfidenceHead``: a bias-optional ``Linear(H + r, 1)`` over ``[h ; markov_w1[prev]]`` in fp32, or over
+    ``h`` alone with ``confidence_with_markov=False``; ``confidence_weight=None`` trains no confidence head (no BCE
+    term, no confidence metrics)."""
 
     lm_head_weight: torch.Tensor  # [V,H]
     markov_w1: torch.Tensor  # [V,r] (an Embedding's weight)
     markov_w2: torch.Tensor  # [V,r] (a bias-free Linear(r, V)'s weight)
-    confidence_weight: torch.Tensor  # [1, H+r]
+    confidence_weight: torch.Tensor | None  # [1, H+r] ([1, H] without the Markov input)
     confidence_bias: torch.Tensor | None = None  # [1]
     teacher_head_weight: torch.Tensor | None = None  # [V,H_t]
+    confidence_with_markov: bool = True
 
     @property
     def teacher_head(self) -> torch.Tensor:
@@ -100,8 +105,32 @@ class DSparkLoss:
     l1: torch.Tensor
     confidence: torch.Tensor
     tv: torch.Tensor  # [N] fp32, ½‖p_d − p_t‖₁
-    confidence_logit: torch.Tensor  # [N] fp32
+    confidence_logit: torch.Tensor | None  # [N] fp32 (None without a confidence head)
     weights: torch.Tensor  # [N] fp32 slot weights w_i
+
+
+def supervised_rows(blocks: DSparkBlocks, block_hidden: torch.Tensor, final_hidden: torch.Tensor) -> DSparkRows:
+    """The :class:`DSparkRows` of ``blocks``' supervised slots: the drafter's normed final hidden of every slot
+    ``block_hidden`` ``[B,A,g,H]`` (or ``[B,A·g,H]``) and the target's post-norm final hidden ``final_hidden``
+    ``[B,T,H_t]`` (unshifted: the teacher of slot k is the target's prediction at position ``p + k``)."""
+    B, A, g = blocks.valid.shape
+    T = blocks.row_length
+    if block_hidden.shape[:-1] not in ((B, A, g), (B, A * g)):
+        raise ValueError(
+            f"supervised_rows: block_hidden must be [B={B},A={A},g={g},H], got {tuple(block_hidden.shape)}"
+        )
+    if final_hidden.shape[:2] != (B, T):
+        raise ValueError(f"supervised_rows: final_hidden must be [B={B},T={T},H_t], got {tuple(final_hidden.shape)}")
+    flat, slots = blocks.flat_rows()
+    index = blocks.valid.reshape(-1).nonzero().squeeze(1)
+    return DSparkRows(
+        hidden=block_hidden.reshape(B * A * g, -1).index_select(0, index),
+        prev_tokens=blocks.prev_tokens.reshape(-1)[index],
+        labels=blocks.labels.reshape(-1)[index],
+        slots=slots,
+        teacher_hidden=final_hidden.detach().reshape(B * T, -1).index_select(0, flat),
+        block_size=g,
+    )
 
 
 def slot_weights(slots: torch.Tensor, block_size: int, decay: float) -> torch.Tensor:
@@ -131,9 +160,13 @@ def _check(rows: DSparkRows, heads: DSparkHeads, world_size: int, chunk: int | N
         "teacher_hidden": (rows.teacher_hidden.shape[:1], (N,)),
         "markov_w1": (heads.markov_w1.shape, (V, r)),
         "markov_w2": (heads.markov_w2.shape, (V, r)),
-        "confidence_weight": (heads.confidence_weight.shape, (1, H + r)),
         "teacher_head_weight": (heads.teacher_head.shape, (V, rows.teacher_hidden.shape[-1])),
     }
+    if heads.confidence_weight is not None:
+        width = H + r if heads.confidence_with_markov else H
+        shapes["confidence_weight"] = (heads.confidence_weight.shape, (1, width))
+    if heads.confidence_bias is not None:
+        shapes["confidence_bias"] = (heads.confidence_bias.shape, (1,))
     bad = [f"{name} {tuple(got)} (expected {want})" for name, (got, want) in shapes.items() if tuple(got) != want]
     if bad:
         raise ValueError("DSpark objective: wrong shapes: " + "; ".join(bad))
@@ -145,13 +178,14 @@ def _check(rows: DSparkRows, heads: DSparkHeads, world_size: int, chunk: int | N
 
 def _finish(rows, heads, markov, main, tv, weights, coefficients, normalizer, world_size, parts) -> DSparkLoss:
     """The confidence term (plain autograd in both twins) and the normalisation."""
-    confidence_in = torch.cat([rows.hidden, markov.to(rows.hidden.dtype)], dim=-1).float()
-    bias = None if heads.confidence_bias is None else heads.confidence_bias.float()
-    logit = F.linear(confidence_in, heads.confidence_weight.float(), bias)
-    logit = logit.squeeze(-1).float()
-    target = (1.0 - tv.detach()).clamp(0.0, 1.0)
-    bce = F.binary_cross_entropy_with_logits(logit, target, reduction="none")
-    bce_sum = (weights * bce).sum()
+    logit, bce_sum = None, weights.new_zeros(())
+    if heads.confidence_weight is not None:
+        inputs = [rows.hidden, markov.to(rows.hidden.dtype)] if heads.confidence_with_markov else [rows.hidden]
+        bias = None if heads.confidence_bias is None else heads.confidence_bias.float()
+        logit = F.linear(torch.cat(inputs, dim=-1).float(), heads.confidence_weight.float(), bias).squeeze(-1)
+        target = (1.0 - tv.detach()).clamp(0.0, 1.0)  # the stop-gradient target: its rounding clamped
+        bce = F.binary_cross_entropy_with_logits(logit, target, reduction="none")
+        bce_sum = (weights * bce).sum()
     if normalizer is None:
         normalizer = weights.sum()
     scale = world_size / torch.as_tensor(normalizer, dtype=torch.float32, device=weights.device).clamp_min(
@@ -165,7 +199,7 @@ def _finish(rows, heads, markov, main, tv, weights, coefficients, normalizer, wo
         l1=(l1_sum * scale).detach(),
         confidence=(bce_sum * scale).detach(),
         tv=tv.detach(),
-        confidence_logit=logit.detach(),
+        confidence_logit=None if logit is None else logit.detach(),
         weights=weights,
     )
 

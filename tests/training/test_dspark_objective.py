@@ -23,6 +23,7 @@ from lightning_eagle.training.dspark_objective import (
     dspark_loss_plain,
     global_slot_weight,
     slot_weights,
+    supervised_rows,
 )
 
 V, H, HT, R, G = 97, 16, 12, 8, 5  # V differs from every other width, so a [*, V] tensor is recognisable
@@ -352,17 +353,16 @@ def test_metrics_follow_their_definitions():
     ids = torch.randint(0, V, (3, 30), generator=torch.Generator().manual_seed(10))
     anchors, keep = sample_anchors(loss_mask, 6, anchor_generator(0, 1, 0))
     blocks = block_targets(ids, loss_mask, anchors, keep, G)
-    flat, slots = blocks.flat_rows()
-    N = flat.numel()
     g = torch.Generator().manual_seed(11)
-    rows = DSparkRows(
-        hidden=torch.randn(N, H, generator=g),
-        prev_tokens=blocks.prev_tokens[blocks.valid],
-        labels=blocks.labels[blocks.valid],
-        slots=slots,
-        teacher_hidden=torch.randn(N, HT, generator=g),
-        block_size=G,
-    )
+    block_hidden, final_hidden = torch.randn(3, 6, G, H, generator=g), torch.randn(3, 30, HT, generator=g)
+    rows = supervised_rows(blocks, block_hidden, final_hidden)
+    slots = rows.slots
+    supervised = [(b, a, k) for b in range(3) for a in range(6) for k in range(G) if blocks.valid[b, a, k]]
+    assert slots.tolist() == [k for _, _, k in supervised]
+    for i, (b, a, k) in enumerate(supervised):  # the gather, written out
+        assert torch.equal(rows.hidden[i], block_hidden[b, a, k])
+        assert torch.equal(rows.teacher_hidden[i], final_hidden[b, int(anchors[b, a]) + k])
+        assert rows.labels[i] == blocks.labels[b, a, k] and rows.prev_tokens[i] == blocks.prev_tokens[b, a, k]
     _, heads = _rows_and_heads(1, seed=12)
     out = dspark_loss_plain(rows, heads)
     stats = dspark_block_stats(blocks.valid, keep, out)
@@ -396,3 +396,42 @@ def test_metrics_follow_their_definitions():
         torch.testing.assert_close(again[name], value, msg=name)
     with pytest.raises(ValueError, match="valid marks"):
         dspark_block_stats(blocks.valid[:, :, :2], keep, out)
+
+
+def test_without_a_confidence_head_and_without_its_markov_input():
+    rows, heads = _rows_and_heads(11, seed=13)
+    full = dspark_loss_plain(rows, heads)
+    heads.confidence_weight = None
+    for fn in (dspark_loss_plain, lambda r, h: dspark_loss_chunked(r, h, chunk=4)):
+        out = fn(rows, heads)
+        assert out.confidence_logit is None and out.confidence.item() == 0
+        torch.testing.assert_close(out.loss, full.loss.detach() - full.confidence)  # the other terms unchanged
+    valid = torch.ones(1, 11, 1, dtype=torch.bool)
+    stats = dspark_block_stats(valid, torch.ones(1, 11, dtype=torch.bool), out)
+    metric = DSparkMetrics(1)
+    metric.update(stats)
+    assert "confidence_bias" not in metric.compute() and "tau_sim" in metric.compute()
+    rows, heads = _rows_and_heads(11, seed=14)
+    heads.confidence_with_markov = False
+    with pytest.raises(ValueError, match=r"confidence_weight \(1, 24\) \(expected \(1, 16\)\)"):
+        dspark_loss_plain(rows, heads)
+    heads.confidence_weight = heads.confidence_weight.detach()[:, :H].clone().requires_grad_()
+    plain, chunked = dspark_loss_plain(rows, heads), dspark_loss_chunked(rows, heads, chunk=3)
+    torch.testing.assert_close(chunked.loss, plain.loss)
+    want = _grads(plain.loss, rows, heads)
+    for name, grad in _grads(chunked.loss, rows, heads).items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_chunked_equals_plain_under_autocast():
+    """Lightning's bf16-mixed precision: fp32 weights, bf16 matmuls; the chunked backward reruns under the same
+    autocast state as its forward."""
+    rows, heads = _rows_and_heads(19, seed=15)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = dspark_loss_plain(rows, heads)
+        chunked = dspark_loss_chunked(rows, heads, chunk=5)
+    want = _grads(plain.loss, rows, heads)
+    torch.testing.assert_close(chunked.loss, plain.loss, rtol=1e-4, atol=1e-5)
+    for name, grad in _grads(chunked.loss, rows, heads).items():
+        assert grad.dtype == torch.float32, name
+        torch.testing.assert_close(grad, want[name], rtol=2e-2, atol=2e-3, msg=name)
