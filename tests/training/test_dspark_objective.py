@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_eagle.parallel.local_launch import launch_local
 from lightning_eagle.training.dspark_anchors import anchor_candidates, anchor_generator, block_targets, sample_anchors
 from lightning_eagle.training.dspark_metrics import DSparkMetrics, dspark_block_stats
 from lightning_eagle.training.dspark_objective import (
@@ -311,6 +312,27 @@ def test_two_ranks_with_the_global_weight_equal_one_rank_holding_both():
     # a rank normalising by its own weight alone trains on another loss (the rule is not vacuous here)
     alone = dspark_loss_chunked(_subset(rows, parts[0]), heads)
     assert not torch.allclose(alone.loss.detach(), losses[0] / 2)
+
+
+def _gloo_rank(rank, world, rows, heads, parts):
+    mine = _subset(rows, parts[rank])
+    normalizer = global_slot_weight(slot_weights(mine.slots, G, 4.0).sum())  # the real all-reduce
+    out = dspark_loss_chunked(mine, heads, normalizer=normalizer, world_size=world, chunk=4)
+    return {"loss": out.loss.detach(), "normalizer": normalizer, "grads": _grads(out.loss, mine, heads)}
+
+
+@pytest.mark.multiprocess
+def test_two_gloo_ranks_all_reduce_the_weight_and_average_to_one_process():
+    rows, heads = _rows_and_heads(15, seed=16)
+    parts = [slice(0, 9), slice(9, 15)]
+    ranks = launch_local(_gloo_rank, 2, rows, heads, parts)
+    whole = dspark_loss_plain(rows, heads)
+    want = _grads(whole.loss, rows, heads)
+    torch.testing.assert_close(ranks[0]["normalizer"], whole.weights.sum())
+    torch.testing.assert_close((ranks[0]["loss"] + ranks[1]["loss"]) / 2, whole.loss.detach())
+    torch.testing.assert_close(torch.cat([r["grads"]["hidden"] for r in ranks]) / 2, want["hidden"])
+    for name in ("lm_head_weight", "markov_w1", "markov_w2", "confidence_weight", "confidence_bias"):
+        torch.testing.assert_close((ranks[0]["grads"][name] + ranks[1]["grads"][name]) / 2, want[name], msg=name)
 
 
 def test_the_teacher_side_gets_no_gradient():
