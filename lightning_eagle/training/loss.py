@@ -3,6 +3,8 @@ can swap them (``ttt_loss(step_loss_fn=..., step_weights_fn=...)``) for research
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lightning_eagle.settings import DEFAULT_STEP_DECAY
@@ -27,3 +29,14 @@ def step_weights(ttt_steps: int, decay: float = DEFAULT_STEP_DECAY) -> torch.Ten
     if not isinstance(ttt_steps, int) or ttt_steps < 1:
         raise ValueError(f"ttt_steps must be an int >= 1, got {ttt_steps!r}")
     return torch.tensor([decay**k for k in range(ttt_steps)], dtype=torch.float32)
+
+
+def block_slot_weights(block_size: int, decay: float) -> torch.Tensor:
+    """DSpark's per-slot weights ``exp(−k / decay)`` for k = 0..g−1 (fp32; DeepSpec's ``loss_decay_gamma``, 4.0 in
+    every public config: faster than the paper's ``exp(−(k−1)/g)``). Not normalised: the objective divides by the
+    weighted count of its supervised slots."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    if not (isinstance(decay, (int, float)) and not isinstance(decay, bool) and math.isfinite(decay) and decay > 0):
+        raise ValueError(f"the slot-weight decay must be a finite number > 0, got {decay!r}")
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32) / float(decay))

@@ -23,6 +23,13 @@ import torch
 import torch.nn.functional as F
 
 
+def head_logits(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """fp32 target logits ``[R, V_head]`` of post-norm target hidden rows ``[R, H_t]`` and a head ``[V_head, H_t]``
+    (``lm_head.weight`` or its selected rows): the head's own op and dtype, then fp32, so that the chunked teachers
+    (EAGLE-3's :class:`ChunkedTeacher`, the DSpark objective's) read the values the target's ``lm_head`` gives."""
+    return F.linear(hidden.to(head.dtype), head).float()
+
+
 @dataclass
 class Teacher:
     probs: torch.Tensor  # [B,T,N_d] fp32, detached
@@ -136,7 +143,7 @@ class ChunkedTeacher:
         if self.head is None:
             # advanced indexing on all three dims gathers [R, N_d] without an [R, V] intermediate
             return self.source[b[:, None], t[:, None], self.columns[None, :]].float()
-        return F.linear(self.source[b, t].to(self.head.dtype), self.head).float()
+        return head_logits(self.source[b, t], self.head)
 
     def probs_at(self, rows: torch.Tensor) -> torch.Tensor:
         """fp32 teacher probabilities ``[R, N_d]`` of the flat rows ``rows`` (indices into ``B·T``), detached."""
