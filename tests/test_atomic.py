@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import stat
+from pathlib import Path
 
 import pytest
+import torch
 
-from lightning_eagle.atomic import atomic_dir, atomic_file, weights_folder_problem
+from lightning_eagle.atomic import atomic_dir, atomic_file, check_writable, weights_folder_problem
+from lightning_eagle.errors import OutputWriteError
 
 
 def _mode(path) -> int:
@@ -102,3 +106,47 @@ def test_a_writer_that_declares_nothing_replaces_nothing(tmp_path):
     with pytest.raises(FileExistsError, match="this writer declares nothing it may replace"):
         with atomic_dir(folder, overwrite=True):
             pass
+
+
+# A folder the kernel refuses new entries in, whoever asks (root included): sysfs. Linux only, like the library.
+REFUSING = Path("/sys/fs")
+
+
+def test_a_refused_write_names_the_file_and_the_cause(tmp_path):
+    with pytest.raises(OutputWriteError, match=re.escape(f"cannot write {REFUSING / 'out.bin'}: permission denied")):
+        with atomic_file(REFUSING / "out.bin") as tmp:
+            tmp.write_bytes(b"x")
+    with pytest.raises(OutputWriteError, match=re.escape(f"cannot write {REFUSING / 'export'}: operation not permitted")):
+        with atomic_dir(REFUSING / "export") as tmp:
+            (tmp / "config.json").write_text("{}")
+
+
+def test_the_file_size_limit_is_explained_even_when_the_serializer_hides_it(tmp_path):
+    """torch.save reports only "unexpected pos"; the partial's size against RLIMIT_FSIZE tells the cause."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
+    try:
+        with pytest.raises(OutputWriteError, match="the file-size limit, ulimit -f") as info:
+            with atomic_file(tmp_path / "big.pt") as tmp:
+                torch.save(torch.zeros(1 << 16), tmp)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert isinstance(info.value.__cause__, RuntimeError)  # the original error is kept, not a cleanup's
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_output_folder_is_probed_before_any_work(tmp_path):
+    check_writable(tmp_path / "new" / "deeper", "the export folder")  # creatable: fine, and nothing created
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputWriteError, match=re.escape(f"{tmp_path / 'file'} exists and is not a folder")):
+        check_writable(tmp_path / "file" / "ckpts", "the checkpoint folder")
+    with pytest.raises(
+        OutputWriteError,
+        match=re.escape(
+            f"the checkpoint folder {REFUSING / 'ckpts'}: cannot create "
+            f"it ({REFUSING} refuses new entries): permission denied"
+        ),
+    ):
+        check_writable(REFUSING / "ckpts", "the checkpoint folder")
+    assert list(tmp_path.iterdir()) == [tmp_path / "file"]

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import resource
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from string import Template
 
@@ -488,6 +492,26 @@ CLI_CASES = [
                  ["error: --moe-load-factor must be >= 1, got 0.0"], id="plan-moe-load-below-one"),
     pytest.param(["memory-plan", "--config", "quickstart", "--world", "0"], 2,
                  ["error: --world must be an integer > 0, got 0"], id="plan-zero-world"),
+    # issue 30: a mistyped flag is one line that names the nearest option (before: 74 lines of usage)
+    pytest.param([*FIT, "--trainer.max_step", "3"], 2,
+                 ["error: unrecognized arguments: --trainer.max_step 3 (did you mean --trainer.max_steps?)\n"
+                  "(usage: "], id="typo-suggests-the-key"),
+    pytest.param(["export", "$ckpt", "$tmp/out", "--overwrit"], 2,
+                 ["error: unrecognized arguments: --overwrit (did you mean --overwrite?)"], id="export-typo"),
+    pytest.param(["export", "$ckpt", "$tmp/out", "--over"], 2,
+                 ["error: unrecognized arguments: --over (did you mean --overwrite?)"], id="export-no-abbreviation"),
+    pytest.param(["memory-plan", "--config", "quickstart", "--gpu-g", "80"], 2,
+                 ["error: unrecognized arguments: --gpu-g 80 (did you mean --gpu-gb?)"], id="plan-typo"),
+    # export given a folder that is not a checkpoint (before: a 70-line torch.distributed.checkpoint traceback)
+    pytest.param(["export", "$existing", "$tmp/out"], 1,
+                 ["error: export source '$existing' is a folder but not a sharded checkpoint (no .metadata): it holds "
+                  "keep.txt"], id="export-from-a-plain-folder"),
+    pytest.param(["export", "$inputs", "$tmp/out"], 1,
+                 ["is a folder but not a sharded checkpoint (no .metadata): it holds checkpoints: pass one of them "
+                  "(last.ckpt, truncated.ckpt)"], id="export-from-a-run-folder"),
+    pytest.param(["data-report", "--config", "$quickstart", "--data.train_files", "$rows", "--data.val_files", "$rows",
+                  "--out", "$tmp/report"], 1,
+                 ["error: data.val_files ['$rows'] are also training files"], id="data-report-val-is-train"),
     pytest.param(["memory-plan", "--config", "kimi_k3_eagle3", "--target-config", "k33"], 2,
                  ["error: --target-config: 'k33' is neither a preset (k3, k3-tiny"], id="plan-unknown-preset"),
 ]  # fmt: skip
@@ -674,16 +698,22 @@ def test_a_resume_honours_the_command_line_over_the_checkpoints_settings(tmp_pat
     assert saved["hyper_parameters"]["objective"]["ttt_steps"] == 3 and saved["global_step"] == 2
 
 
-def test_a_pathologically_nested_row_is_skipped_like_any_bad_row(tmp_path):
-    """Before: a RecursionError from inside the json module even with on_bad_row skip (fit, data-report, regenerate)."""
+@pytest.mark.parametrize("where", ["middle", "first"])
+def test_a_pathologically_nested_row_is_skipped_like_any_bad_row(tmp_path, where):
+    """Before: a RecursionError from inside the json module even with on_bad_row skip (fit, data-report, regenerate);
+    as the *first* row, from the format detection, which read it outside the readers' guard."""
     path = tmp_path / "rows.jsonl"
-    path.write_text(json.dumps(GOOD) + "\n" + DEEP + "\n" + json.dumps(GOOD) + "\n")
+    rows = (
+        [json.dumps(GOOD), DEEP, json.dumps(GOOD)] if where == "middle" else [DEEP, json.dumps(GOOD), json.dumps(GOOD)]
+    )
+    path.write_text("\n".join(rows) + "\n")
+    line = 2 if where == "middle" else 1
     data = ChatDataModule(**data_kwargs(train_files=[str(path)], on_bad_row="skip", val_fraction=0.0,
                                         cache_dir=str(tmp_path / "cache")))  # fmt: skip
     data.setup("fit")
     summary = data._train_data.summary
     assert summary.rows_kept == 2 and summary.rows_bad_skipped == 1
-    assert "rows.jsonl:2: <json>: nested deeper than Python's recursion limit" in summary.bad_row_examples[0]
+    assert f"rows.jsonl:{line}: <json>: nested deeper than Python's recursion limit" in summary.bad_row_examples[0]
 
 
 @pytest.mark.parametrize("how", ["same-path", "same-bytes"])
@@ -720,3 +750,85 @@ def test_acceptance_refusals_are_one_line(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         acceptance_main(["--target", "quickstart", "--draft", str(tmp_path / "nowhere")])
     assert str(exit_info.value.code).startswith(f"error: draft folder '{tmp_path / 'nowhere'}' does not exist")
+
+
+# ---- issue 30: output folders — one live run per folder, writable before the first step, OS refusals named ---------
+def _fit_main(root: Path, rows: Path, *extra: str) -> tuple[int, str]:
+    try:
+        main([*fill(FIT, quickstart=QUICKSTART, root=root, rows=rows), *extra])
+    except SystemExit as exit_info:
+        return int(exit_info.code), ""
+    return 0, ""
+
+
+def test_a_folder_in_use_by_a_live_run_is_refused_and_a_killed_run_leaves_no_claim(tmp_path, chat_rows, capsys):
+    root = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from lightning_eagle.training.run_folder import FolderLock; "
+         f"FolderLock({str(root)!r}).acquire(); print('held', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(LIBRARY.parent)},
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        status, _ = _fit_main(root, chat_rows)
+        err = capsys.readouterr().err
+        assert status == 1 and "Traceback" not in err, err
+        assert re.search(
+            rf"error: {re.escape(str(root))} is in use by a live run \(pid {holder.pid} on .+, since "
+            r".+\): two runs into one folder would replace each other's checkpoints and export",
+            err,
+        ), err
+        assert not (root / "checkpoints").exists()
+    finally:
+        holder.kill()  # kill -9: the kernel drops its flock with the process
+        holder.wait()
+    status, _ = _fit_main(root, chat_rows)
+    assert status == 0, capsys.readouterr().err
+    assert (root / "checkpoints").is_dir()
+
+
+def test_a_checkpoint_folder_that_cannot_be_created_is_refused_before_the_first_step(tmp_path, chat_rows, capsys):
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "checkpoints").write_text("not a folder")
+    status, _ = _fit_main(root, chat_rows)
+    err = capsys.readouterr().err
+    assert status == 1 and "Traceback" not in err, err
+    assert (
+        f"error: the checkpoint folder (ModelCheckpoint.dirpath) {root / 'checkpoints'} cannot be created: "
+        f"{root / 'checkpoints'} exists and is not a folder"
+    ) in err, err
+    assert "Epoch 0" not in capsys.readouterr().out and not (root / "draft").exists()
+
+
+def _limited(limit_bytes: int):
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    return apply
+
+
+@pytest.mark.parametrize("what", ["checkpoint", "export"])
+def test_a_file_size_limit_is_named_with_the_file_and_nothing_is_left_half_written(tmp_path, chat_rows, trained_ckpt,
+                                                                                  what):  # fmt: skip
+    root, out = tmp_path / "run", tmp_path / "served"
+    if what == "checkpoint":
+        argv = [*fill(FIT, quickstart=QUICKSTART, root=root, rows=chat_rows), "--trainer.enable_progress_bar", "false"]
+        written = root / "checkpoints" / "last.ckpt"  # the first save of the quickstart config
+    else:
+        argv, written = ["export", str(trained_ckpt), str(out)], out
+    limit = (1 << 20) if what == "checkpoint" else 16 << 10  # below a checkpoint (~3 MB) / the export (~90 kB)
+    done = subprocess.run([sys.executable, str(LIBRARY.parent / "cli.py"), *argv], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, preexec_fn=_limited(limit),
+                          env={**os.environ, "PYTHONPATH": str(LIBRARY.parent),
+                               "LIGHTNING_EAGLE_CACHE": str(tmp_path / "cache")})  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: cannot write {written}: the file is larger than this process may write (the file-size limit, "
+        "ulimit -f)"
+    ), done.stderr[-3000:]
+    assert errors[0].endswith("nothing was written under that name")
+    assert not written.exists()
+    assert not [p for p in tmp_path.rglob("*.partial")], sorted(tmp_path.rglob("*.partial"))

@@ -26,10 +26,14 @@ def option_strings(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def nearest_option(word: str, options: list[str]) -> str | None:
-    """The known option a mistyped ``word`` most likely meant (difflib's ratio >= 0.75), or None."""
+    """The known option a mistyped ``word`` most likely meant (the one it abbreviates, else difflib's nearest with
+    ratio >= 0.75), or None."""
     flag = word.split("=", 1)[0]
     if not flag.startswith("-"):
         flag = "--" + flag
+    completions = [o for o in options if o.startswith(flag)]
+    if len(completions) == 1:
+        return completions[0]
     found = difflib.get_close_matches(flag, options, n=1, cutoff=0.75)
     return found[0] if found else None
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import filecmp
 import hashlib
 import json
 import logging
@@ -16,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from lightning_eagle.data.dataset import TokenizedChatDataset, collate_chat_rows
 from lightning_eagle.data.encoding import EncodeOptions
-from lightning_eagle.data.formats import FORMATS, expand_paths
+from lightning_eagle.data.formats import FORMATS
 from lightning_eagle.data.loss_mask import (
     KIMI_K3_DEFAULTS,
     XTML_MARKERS,
@@ -26,6 +25,7 @@ from lightning_eagle.data.loss_mask import (
 )
 from lightning_eagle.data.render_k3 import validate_render_options
 from lightning_eagle.data.sampler import ResumableDataLoader, ResumableTrainLoader
+from lightning_eagle.data.shared_files import refuse_shared_files
 from lightning_eagle.data.synthetic_corpus import bundled_sample_path
 from lightning_eagle.data.tokenizer import KimiTokenizer
 from lightning_eagle.data.tokenizer_choice import resolve_tokenizer
@@ -271,7 +271,7 @@ class ChatDataModule(ResumableTrainLoader, pl.LightningDataModule):
         if self._train_data is not None:
             return
         if self.val_files:
-            _refuse_shared_files(self.train_files, self.val_files)
+            refuse_shared_files(self.train_files, self.val_files)
         train = self._load(self.train_files)
         self._train_data = train
         train_idx, val_idx = self._split(len(train))
@@ -406,23 +406,3 @@ def _as_file_list(files: list[str] | str | None) -> list[str]:
 
 def _digest(indices: list[int]) -> str:
     return hashlib.sha256(json.dumps(indices).encode()).hexdigest()[:16]
-
-
-def _refuse_shared_files(train_files, val_files) -> None:
-    """Validation on training rows measures memorisation, not acceptance: a validation file that is one of the
-    training files (same path, or the same bytes under another name) is refused."""
-    train = {os.path.realpath(f): f for f in expand_paths(train_files)}
-    shared = []
-    for f in expand_paths(val_files):
-        real = os.path.realpath(f)
-        same = real in train or any(
-            os.path.getsize(real) == os.path.getsize(t) and filecmp.cmp(real, t, shallow=False) for t in train
-        )
-        if same:
-            shared.append(f)
-    if shared:
-        raise ValueError(
-            f"data.val_files {shared} are also training files (the same path or the same bytes as a file of "
-            "data.train_files): val/tau would be measured on training rows; pass held-out files, or drop val_files "
-            "to hold out data.val_fraction of the training rows"
-        )

@@ -325,13 +325,13 @@ def detect_format(path: str | Path) -> str:
             if isinstance(item, RawLine):
                 try:
                     item = parse_line(item)
-                except RowProblem:
+                except (RowProblem, RecursionError):  # a bad row is the readers' to report (with its line)
                     continue
             if isinstance(item, RawRow):
                 fmt = format_of_row(item.data)
                 if fmt is not None:
                     return fmt
-    except DataRowError:
+    except (DataRowError, RecursionError):
         pass  # an unreadable file is reported when its rows are read
     finally:
         close = getattr(records, "close", None)

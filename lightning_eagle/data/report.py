@@ -37,6 +37,7 @@ from lightning_eagle.data.formats import iter_rows
 from lightning_eagle.data.report_cuts import LengthCut, length_cut_lines, length_cuts
 from lightning_eagle.data.report_plot import bin_width, plot_lengths
 from lightning_eagle.data.rows import DataRowError
+from lightning_eagle.data.shared_files import refuse_shared_files
 from lightning_eagle.data.vocab_map import select_draft_tokens
 
 if TYPE_CHECKING:
@@ -283,6 +284,8 @@ def data_report(
     """
     dm = datamodule
     V = dm.vocab_size
+    if dm.val_files:  # what fit refuses, the report refuses too: it would describe a split fit never runs
+        refuse_shared_files(dm.train_files, dm.val_files)
     sources: list[SourceStats] = []
     split_rows: dict[str, tuple[TokenizedChatDataset | None, list[int]]] = {}
 

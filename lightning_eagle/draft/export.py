@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from lightning_eagle.atomic import atomic_dir, weights_folder_problem
-from lightning_eagle.checkpoint_io import load_checkpoint_file
+from lightning_eagle.checkpoint_io import CheckpointLoadError, load_checkpoint_file
 from lightning_eagle.draft import serving_format as fmt
 from lightning_eagle.draft.config import TRAINING_SETTINGS, Eagle3DraftConfig
 from lightning_eagle.draft.model import KimiK3Eagle3Draft
@@ -121,10 +121,28 @@ def _resolve_source(source: Any, config: Eagle3DraftConfig | None) -> tuple[dict
 def _load_dcp(folder: Path) -> dict:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    if not (folder / ".metadata").is_file():
+        raise CheckpointLoadError(f"export source {str(folder)!r} is a folder but not a sharded checkpoint (no "
+                                  f".metadata): {_what_folder_is(folder)}")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "consolidated.pt"
-        dcp_to_torch_save(str(folder), str(target))
+        try:
+            dcp_to_torch_save(str(folder), str(target))
+        except (AssertionError, RuntimeError, OSError, ValueError, EOFError) as exc:
+            raise CheckpointLoadError(f"sharded checkpoint {str(folder)!r} cannot be read: {exc}") from exc
         return torch.load(target, map_location="cpu", weights_only=False)
+
+
+def _what_folder_is(folder: Path) -> str:
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        return "it is empty"
+    if fmt.CONFIG_NAME in names and any(n.endswith(".safetensors") for n in names):
+        return "it looks like an export (config.json + safetensors); export reads a checkpoint written by fit"
+    found = sorted(str(p.relative_to(folder)) for p in folder.rglob("*.ckpt"))
+    if found:
+        return f"it holds checkpoints: pass one of them ({', '.join(found[:4])}{', …' if len(found) > 4 else ''})"
+    return f"it holds {', '.join(names[:5])}{', …' if len(names) > 5 else ''}"
 
 
 def _from_checkpoint_dict(ckpt: dict, config: Eagle3DraftConfig | None) -> tuple[dict, Eagle3DraftConfig, dict | None]:
