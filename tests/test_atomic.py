@@ -116,7 +116,9 @@ def test_a_refused_write_names_the_file_and_the_cause(tmp_path):
     with pytest.raises(OutputWriteError, match=re.escape(f"cannot write {REFUSING / 'out.bin'}: permission denied")):
         with atomic_file(REFUSING / "out.bin") as tmp:
             tmp.write_bytes(b"x")
-    with pytest.raises(OutputWriteError, match=re.escape(f"cannot write {REFUSING / 'export'}: operation not permitted")):
+    with pytest.raises(
+        OutputWriteError, match=re.escape(f"cannot write {REFUSING / 'export'}: operation not permitted")
+    ):
         with atomic_dir(REFUSING / "export") as tmp:
             (tmp / "config.json").write_text("{}")
 

@@ -198,7 +198,7 @@ def _real_reason(message: str) -> str:
     if not message.startswith("Does not validate against any of the Union subtypes"):
         return message
     bullets = [line[4:] for line in message.splitlines() if line.startswith("  - ")]
-    reasons = [b for b in bullets if not b.startswith("Expected a <class 'NoneType'>")]
+    reasons = [b for b in bullets if not b.startswith("Expected a <class ")]  # the other union members' type checks
     return f"{reasons[0]}\n({message})" if reasons else message
 
 

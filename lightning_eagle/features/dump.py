@@ -33,7 +33,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_eagle.atomic import remove_partials
+from lightning_eagle.atomic import check_writable, remove_partials
 from lightning_eagle.data.dataset import collate_chat_rows
 from lightning_eagle.features import format as fmt
 from lightning_eagle.k3.model import set_token_chunk
@@ -149,7 +149,15 @@ class FeatureDumper(pl.LightningModule):
     def setup(self, stage: str) -> None:
         """Number the rows, write (rank 0) or check ``plan.json`` and ``vocab_map.safetensors``."""
         strategy = self.trainer.strategy
+        foreign = fmt.foreign_entries(self.out_dir)
+        if foreign:
+            raise FileExistsError(
+                f"refusing to dump into {self.out_dir}: it holds files a dump did not write ({', '.join(foreign[:5])}"
+                f"{', …' if len(foreign) > 5 else ''}); a dump goes into a new or empty folder or a previous dump of "
+                "the same features: pass another --out"
+            )
         if self.trainer.is_global_zero:
+            check_writable(self.out_dir, "the features folder (dump --out)")
             self.out_dir.mkdir(parents=True, exist_ok=True)
             remove_partials(self.out_dir)  # a killed dump's half-written files
             self.data.prepare_data()  # tokenize once into the cache

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,20 @@ IDENTITY_FIELDS = ("format", "target", "aux_layer_ids", "aux_stream", "hidden_st
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """What in ``folder`` a dump did not write (a user's files, checkpoints, logs): a dump goes only into a new or
+    empty folder or a previous dump, never mixed with other files (``export`` refuses the same)."""
+    if not folder.is_dir():
+        return []
+    ours = {PLAN_NAME, MANIFEST_NAME, VOCAB_MAP_NAME, Path(VOCAB_MAP_NAME).with_suffix(".json").name, PROMPTS_NAME}
+    shard = re.compile(r"shard-\d{5}\.safetensors$")
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if not (p.name in ours or shard.match(p.name) or p.name.endswith(".partial")) or p.is_dir()
+    )
 
 
 def plan_shard_bounds(lengths: list[int], shard_rows: int, shard_tokens: int | None = None) -> list[int]:

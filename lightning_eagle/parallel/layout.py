@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 # Fields of ParallelLayout learnt at run time (refine() takes only these); every other field is a setting.
 RUN_TIME_FACTS = ("world_size", "num_experts", "device_types")
 
+# the settings below are the strategy's: named as the user types them (--trainer.strategy.<name>)
+STRATEGY = "trainer.strategy."
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -135,14 +138,14 @@ def validate_layout(layout: ParallelLayout) -> None:
         raise UnsupportedLayoutError("p_eagle=True: Parallel drafting (P-EAGLE) is not supported; use EAGLE-3 (TTT)")
     dispatcher = layout.target_dispatcher
     if dispatcher not in DISPATCHERS:
-        raise ValueError(f"target_dispatcher={dispatcher!r} is unknown; choose one of {DISPATCHERS}")
+        raise ValueError(f"{STRATEGY}target_dispatcher={dispatcher!r} is unknown; choose one of {DISPATCHERS}")
     ep, world_size, num_experts = layout.expert_parallel_size, layout.world_size, layout.num_experts
     if not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"expert_parallel_size must be a positive int, got {ep!r}")
+        raise ValueError(f"{STRATEGY}expert_parallel_size must be a positive int, got {ep!r}")
     if world_size is not None and world_size % ep:
         raise ValueError(
-            f"expert_parallel_size ({ep}) must divide the world size ({world_size}): expert parallelism is carved "
-            "out of the data-parallel ranks"
+            f"{STRATEGY}expert_parallel_size ({ep}) must divide the world size ({world_size}): expert parallelism is "
+            "carved out of the data-parallel ranks"
         )
     if num_experts is not None and num_experts % ep:
         raise ValueError(
@@ -151,10 +154,10 @@ def validate_layout(layout: ParallelLayout) -> None:
         )
     sp = layout.draft_sequence_parallel_size
     if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
-        raise ValueError(f"draft_sequence_parallel_size must be a positive int, got {sp!r}")
+        raise ValueError(f"{STRATEGY}draft_sequence_parallel_size must be a positive int, got {sp!r}")
     if world_size is not None and world_size % sp:
         raise ValueError(
-            f"draft_sequence_parallel_size ({sp}) must divide the world size ({world_size}): each group of "
+            f"{STRATEGY}draft_sequence_parallel_size ({sp}) must divide the world size ({world_size}): each group of "
             f"{sp} consecutive ranks shares one sequence of the draft's batch"
         )
     kinds = None if layout.device_types is None else sorted(set(layout.device_types))

@@ -537,15 +537,22 @@ def test_thinking_without_a_server_reasoning_parser_is_refused_not_written_empty
         server.shutdown()
 
 
-def test_a_header_only_progress_file_does_not_block_the_corrected_rerun(tmp_path):
-    """Before: a run that failed before its first row (a wrong --model) left a header that refused the fixed rerun."""
+def test_a_progress_file_without_a_finished_row_does_not_block_the_corrected_rerun(tmp_path):
+    """Before: a run that failed before its first row (a wrong --model) left a header (and error lines) that refused
+    the fixed rerun."""
     from lightning_eagle.data.regenerate import PROGRESS_FORMAT, ProgressFile
 
     path = tmp_path / "out.jsonl.progress"
     path.write_text(json.dumps({"format": PROGRESS_FORMAT, "model": "wrong"}) + "\n")
     assert ProgressFile(path, {"format": PROGRESS_FORMAT, "model": "right"}).load() is False
     assert not path.exists()
+    # a run whose every request failed (a wrong --model against a real server) logged only errors: nothing to keep
+    errors = [json.dumps({"row": i, "error": "404 model 'wrong' not found"}) for i in range(3)]
+    path.write_text("\n".join([json.dumps({"format": PROGRESS_FORMAT, "model": "wrong"}), *errors]) + "\n")
+    assert ProgressFile(path, {"format": PROGRESS_FORMAT, "model": "right"}).load() is False
+    assert not path.exists()
     # with a finished row the mismatch is still refused: resuming would mix outputs
-    path.write_text(json.dumps({"format": PROGRESS_FORMAT, "model": "wrong"}) + "\n" + json.dumps({"row": 0}) + "\n")
+    finished = json.dumps({"row": 0, "data": {"messages": []}})
+    path.write_text("\n".join([json.dumps({"format": PROGRESS_FORMAT, "model": "wrong"}), *errors, finished]) + "\n")
     with pytest.raises(ValueError, match="was written by a run with other model"):
         ProgressFile(path, {"format": PROGRESS_FORMAT, "model": "right"}).load()

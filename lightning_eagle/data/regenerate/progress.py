@@ -47,24 +47,27 @@ class ProgressFile:
                 raise ValueError(f"{self.path}: not a regenerate progress file; delete it or pass --overwrite")
             self.path.unlink()  # a header torn at the very start: nothing was done
             return False
+        entries = []
+        for line in lines[1:]:
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError:
+                self.torn += 1
+        done = [e for e in entries if isinstance(e, dict) and isinstance(e.get("row"), int)
+                and isinstance(e.get("data"), dict)]  # fmt: skip
         mine, theirs = self.header, header
-        if len(lines) == 1 and {k: theirs.get(k) for k in mine} != mine:
-            self.path.unlink()  # a header and no row (e.g. a run that failed on a wrong --model): nothing to keep
-            return False
         if {k: theirs.get(k) for k in mine} != mine:
+            if not done:  # no finished row (e.g. a run whose every request failed on a wrong --model): nothing to keep
+                self.path.unlink()
+                self.torn = 0
+                return False
             diff = sorted(k for k in mine if theirs.get(k) != mine[k])
             raise ValueError(
                 f"{self.path} was written by a run with other {', '.join(diff)} (resuming would mix outputs): "
                 "rerun with the same input and settings, or pass --overwrite to start over"
             )
-        for line in lines[1:]:
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                self.torn += 1
-                continue
-            if isinstance(entry, dict) and isinstance(entry.get("row"), int) and isinstance(entry.get("data"), dict):
-                self.done.setdefault(entry["row"], entry["data"])  # first wins: never two copies of a row
+        for entry in done:
+            self.done.setdefault(entry["row"], entry["data"])  # first wins: never two copies of a row
         return True
 
     def open(self) -> None:
