@@ -157,7 +157,16 @@ class DSparkDrafter(nn.Module):
                 f"context_features must be [B, T, {expected}] (num_target_layers {self.config.num_target_layers} x "
                 f"target_hidden_size {self.config.target_hidden_size}), got {tuple(context_features.shape)}"
             )
-        context = self.context_norm(self.context_proj(context_features))
+        return self.context_kv_from_combined(self.combine_hidden_states(context_features), positions)
+
+    def combine_hidden_states(self, context_features: torch.Tensor) -> torch.Tensor:
+        """``context_norm(context_proj(·))``: the concatenated target states → the draft-width context (vLLM's
+        ``combine_hidden_states``)."""
+        return self.context_norm(self.context_proj(context_features))
+
+    def context_kv_from_combined(self, context: torch.Tensor, positions: torch.Tensor) -> ContextKV:
+        """The per-layer latents of an already combined context ``[B,T,H]`` (vLLM's
+        ``precompute_and_store_context_kv`` input)."""
         return [layer.context_latent(context, positions) for layer in self.layers]
 
     def _attend(self, device: torch.device):
