@@ -7,10 +7,13 @@
 (c) ``K3DSparkForCausalLM`` built on CPU and loaded with its own ``load_weights``: every exported tensor is handed to
     it, no parameter stays unset (all filled with NaN first), every plain parameter equals its source and every
     stacked one (``fused_qkv_a_proj``, ``gate_up_proj``, the cross-layer ``context_kv_proj``) equals its sources
-    concatenated; the confidence head is loaded (fp32) only when the export enables it.
+    concatenated; the confidence head is loaded (fp32) only when the export enables it;
+(d) the loaded model's own pieces compute what ours do on the same inputs (bf16 there, fp32 here, same bf16
+    weights): ``combine_hidden_states``, the RoPE / DeepSeek-YaRN rotary of its MLA (and its softmax scale with
+    YaRN's mscale), the input norm, ``KimiMLP``, the Markov embedding and bias, the confidence.
 
-vLLM's forward needs its GPU runner (this CPU build refuses DSpark in ``VllmConfig``): ``benchmarks/gpu_check.py``
-compares it with ours on a GPU.
+vLLM's whole forward needs its GPU runner (this CPU build refuses DSpark in ``VllmConfig``):
+``benchmarks/gpu_check.py`` (section ``dspark_vllm``) compares it with ours on a GPU.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from lightning_eagle.draft.dspark import DSparkDrafter
 from lightning_eagle.draft.dspark_config import dspark_config_from_preset
-from lightning_eagle.draft.dspark_export import export_dspark_draft
+from lightning_eagle.draft.dspark_export import export_dspark_draft, load_dspark_export
 from lightning_eagle.k3.loader import QUICKSTART_TARGET
 
 pytestmark = pytest.mark.slow
@@ -48,10 +51,32 @@ def exported(folder: Path, **overrides) -> Path:
     return export_dspark_draft(drafter, folder)
 
 
+def probe_inputs(folder: Path, config) -> Path:
+    """bf16-exact inputs for vLLM's pieces (fp32 on disk; the probe casts them to bf16 exactly)."""
+    g = torch.Generator().manual_seed(7)
+    T, n = 6, config.num_attention_heads
+
+    def exact(*shape):
+        return torch.randn(*shape, generator=g).to(torch.bfloat16).float()
+
+    inputs = {
+        "features": exact(T, config.context_size),
+        "positions": torch.tensor([0, 1, 5, 17, 300, 2047]),  # beyond YaRN's original length too
+        "q_pe": exact(T, n, config.qk_rope_head_dim),
+        "k_pe": exact(T, 1, config.qk_rope_head_dim),
+        "hidden": exact(T, config.hidden_size),
+        "tokens": torch.randint(0, config.vocab_size, (T,), generator=g),
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(inputs, str(folder / "inputs.safetensors"))
+    return folder / "inputs.safetensors"
+
+
 def run_probe(python: Path, folder: Path, draft: Path, num_speculative_tokens: int | None) -> tuple[dict, dict]:
     folder.mkdir(parents=True, exist_ok=True)
+    inputs = probe_inputs(folder, load_dspark_export(draft).config)
     request = {"draft": str(draft), "target": str(QUICKSTART_TARGET), "out": str(folder),
-               "num_speculative_tokens": num_speculative_tokens}  # fmt: skip
+               "num_speculative_tokens": num_speculative_tokens, "inputs": str(inputs)}  # fmt: skip
     (folder / "request.json").write_text(json.dumps(request))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     done = subprocess.run(
@@ -72,8 +97,10 @@ def probes(vllm_python, tmp_path_factory) -> dict:
         tokens = None if name == "confidence" else overrides["block_size"]
         result, loaded = run_probe(vllm_python, root / name / "probe", draft, tokens)
         config = json.loads((draft / "config.json").read_text())
+        probe = root / name / "probe"
         out[name] = dict(draft=draft, config=config, source=load_file(str(draft / "model.safetensors")),
-                         result=result, loaded=loaded)  # fmt: skip
+                         result=result, loaded=loaded, inputs=load_file(str(probe / "inputs.safetensors")),
+                         computed=load_file(str(probe / "computed.safetensors")))  # fmt: skip
     return out
 
 
@@ -140,3 +167,37 @@ def test_vllm_loader_consumes_every_tensor(probes, name):
     assert ("model.confidence_head.proj.weight" in loaded) is has_confidence
     if has_confidence:
         assert load["dtypes"]["model.confidence_head.proj.weight"] == "float32"
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+BF16_REL = 1e-2  # vLLM in bf16 against ours in fp32 on the same bf16-exact weights and inputs (a few bf16 ulps)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@torch.no_grad()
+def test_vllm_pieces_compute_what_ours_do(probes, name):
+    run = probes[name]
+    ours = load_dspark_export(run["draft"])  # fp32, the exported bf16 values
+    x, vllm = run["inputs"], run["computed"]
+    layer = ours.layers[0]
+    checks = {
+        "combine": ours.combine_hidden_states(x["features"][None])[0],
+        "input_layernorm": layer.input_layernorm(x["hidden"]),
+        "mlp": layer.mlp(x["hidden"]),
+        # our rotary takes [B, heads, T, d]; vLLM's [T, heads, d]
+        "rotary_q": layer.self_attn.rotary(x["q_pe"].transpose(0, 1)[None], x["positions"])[0].transpose(0, 1),
+        "rotary_k": layer.self_attn.rotary(x["k_pe"].transpose(0, 1)[None], x["positions"])[0].transpose(0, 1),
+        "markov_embed": ours.markov_head.embed(x["tokens"]),
+        "markov_bias": ours.markov_bias(x["tokens"]),
+    }
+    if run["config"]["enable_confidence_head"]:
+        checks["confidence"] = torch.sigmoid(ours.confidence_logits(x["hidden"], x["tokens"]))
+    assert sorted(checks) == sorted(vllm)
+    errors = {key: rel_err(vllm[key], expected) for key, expected in checks.items()}
+    assert all(e <= BF16_REL for e in errors.values()), errors
+    assert abs(run["result"]["softmax_scale"] - layer.self_attn.scale) <= 1e-6 * layer.self_attn.scale
+    if ours.config.rope_scaling is not None:  # YaRN's mscale correction is in both scales
+        assert layer.self_attn.scale != ours.config.qk_head_dim**-0.5

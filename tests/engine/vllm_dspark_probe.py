@@ -3,8 +3,11 @@ own config, speculative config, model registry, model class and loader, and reco
 
     python vllm_dspark_probe.py REQUEST.json
 
-``REQUEST.json``: ``{"draft", "target", "num_speculative_tokens", "out"}``. Writes ``out/result.json`` and
-``out/loaded.safetensors`` (every parameter of vLLM's ``K3DSparkForCausalLM`` after its ``load_weights``):
+``REQUEST.json``: ``{"draft", "target", "num_speculative_tokens", "out", "inputs" (a safetensors file or null)}``.
+Writes ``out/result.json``, ``out/loaded.safetensors`` (every parameter of vLLM's ``K3DSparkForCausalLM`` after its
+``load_weights``) and ``out/computed.safetensors`` (what the loaded model's own pieces compute on ``inputs``:
+``combine_hidden_states``, layer 0's rotary (``forward_native``), ``KimiMLP`` and input norm, ``markov_embed`` /
+``markov_bias``, ``compute_confidence``; ``result["softmax_scale"]``: its MLA's softmax scale):
 
 * ``config``: what ``K3DSparkConfig`` parsed from the export (``rope_parameters``, taps, sizes);
 * ``spec``: what ``SpeculativeConfig(method="dspark")`` resolved: method, architectures, config class, the aux layer
@@ -104,11 +107,35 @@ with set_current_vllm_config(vllm_config):
             yield name, tensor
 
     returned = model.load_weights(weights())
+    loaded = {n: p.detach().contiguous().clone() for n, p in model.named_parameters()}
+    unset = sorted(n for n, p in model.named_parameters() if torch.isnan(p).any())
+    # What vLLM's loader does next for the linears these pieces use (its CPU linears need it). Not the attention's:
+    # on this CPU build its generic pass empties kv_b_proj before the MLA layer's own pass reads it.
+    for module_name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and ".self_attn" not in module_name and "context_kv_proj" not in module_name:
+            method.process_weights_after_loading(module)
+    computed = {}
+    if request.get("inputs"):
+        x = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(request["inputs"]).items()}
+        layer = model.model.layers[0]
+        computed["combine"] = model.combine_hidden_states(x["features"])
+        q, k = x["q_pe"].clone(), x["k_pe"].clone()
+        computed["rotary_q"], computed["rotary_k"] = layer.self_attn.rotary_emb.forward_native(x["positions"], q, k)
+        computed["mlp"] = layer.mlp(x["hidden"])
+        computed["input_layernorm"] = layer.input_layernorm.forward_native(x["hidden"])
+        markov = model.markov_embed(x["tokens"])
+        computed["markov_embed"] = markov
+        computed["markov_bias"] = model.markov_bias(markov)
+        if model.model.confidence_head is not None:
+            computed["confidence"] = model.compute_confidence(x["hidden"], markov)
+        result["softmax_scale"] = layer.self_attn.scale
 result["load"] = {
     "names": names,
     "returned": None if returned is None else sorted(returned),
-    "unset": sorted(n for n, p in model.named_parameters() if torch.isnan(p).any()),
+    "unset": unset,
     "dtypes": {n: str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters()},
 }
-save_file({n: p.detach().contiguous().clone() for n, p in model.named_parameters()}, str(out / "loaded.safetensors"))
+save_file(loaded, str(out / "loaded.safetensors"))
+save_file({k: v.detach().contiguous() for k, v in computed.items()}, str(out / "computed.safetensors"))
 (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
