@@ -36,6 +36,8 @@ DSPARK_ARCHITECTURE = "K3DSparkModel"
 DSPARK_MODEL_TYPE = "k3_dspark"
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+# K3DSparkConfig raises on any of these set (the NoPE / gated / q-k-normed K3 MLA, the bonus anchor)
+VLLM_REFUSED_FLAGS = ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dspark_bonus_anchor")
 FP32_PREFIXES = ("confidence_head.",)  # vLLM keeps the confidence head in fp32
 # Fields written under the same name as the config's (vLLM reads them so).
 _PLAIN_FIELDS = (
@@ -91,11 +93,26 @@ def dspark_config_json(config: DSparkDraftConfig, torch_dtype: torch.dtype) -> d
 
 
 def dspark_config_from_json(data: dict[str, Any]) -> DSparkDraftConfig:
-    """Inverse of :func:`dspark_config_json`; refuses a folder of another architecture."""
+    """Inverse of :func:`dspark_config_json`; refuses a folder of another architecture and what vLLM's
+    ``K3DSparkConfig`` refuses (the flags of :data:`VLLM_REFUSED_FLAGS`, a draft vocabulary, a tap count that is not
+    ``num_target_layers``; ``q_lora_rank: null`` and empty taps through :class:`DSparkDraftConfig`)."""
     if data.get("architectures") != [DSPARK_ARCHITECTURE] or data.get("model_type") != DSPARK_MODEL_TYPE:
         raise ValueError(
             f"not a DSpark export: architectures {data.get('architectures')!r}, model_type "
             f"{data.get('model_type')!r} (expected [{DSPARK_ARCHITECTURE!r}], {DSPARK_MODEL_TYPE!r})"
+        )
+    refused = [name for name in VLLM_REFUSED_FLAGS if data.get(name)]
+    if refused:
+        raise ValueError(f"config.json sets {refused}: vLLM's MLA DSpark does not support them")
+    if data.get("draft_vocab_size", data.get("vocab_size")) != data.get("vocab_size"):
+        raise ValueError(
+            f"config.json: draft_vocab_size {data['draft_vocab_size']} != vocab_size {data.get('vocab_size')}: the "
+            "DSpark draft shares the target's embedding and LM head (vLLM refuses a draft vocabulary)"
+        )
+    ids = data.get("target_layer_ids")
+    if isinstance(ids, list) and data.get("num_target_layers", len(ids)) != len(ids):
+        raise ValueError(
+            f"config.json: num_target_layers {data['num_target_layers']} != len(target_layer_ids) {len(ids)}"
         )
     values = {name: data[name] for name in _PLAIN_FIELDS if name in data}
     values["target_layer_ids"] = data["target_layer_ids"]

@@ -101,3 +101,20 @@ def test_refusals_and_overwrite(tmp_path):
     save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing \['markov_head.markov_w2.weight'\]"):
         load_dspark_export(folder)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"mla_use_nope": True}, r"sets \['mla_use_nope'\]: vLLM's MLA DSpark does not support them"),
+        ({"dspark_bonus_anchor": True}, r"sets \['dspark_bonus_anchor'\]"),
+        ({"draft_vocab_size": 256}, "draft_vocab_size 256 != vocab_size 512"),
+        ({"num_target_layers": 2}, r"num_target_layers 2 != len\(target_layer_ids\) 3"),
+        ({"q_lora_rank": None}, "q_lora_rank is required"),
+        ({"target_layer_ids": [], "num_target_layers": 0}, "target_layer_ids must be a non-empty list"),
+    ],
+)
+def test_reader_refuses_what_vllm_refuses(tmp_path, changes, message):
+    data = json.loads((export_dspark_draft(drafter(), tmp_path / "served") / "config.json").read_text())
+    with pytest.raises(ValueError, match=message):
+        dspark_config_from_json({**data, **changes})

@@ -29,13 +29,24 @@ from safetensors.torch import load_file, save_file
 
 from lightning_eagle.draft.dspark import DSparkDrafter
 from lightning_eagle.draft.dspark_config import dspark_config_from_preset
-from lightning_eagle.draft.dspark_export import export_dspark_draft, load_dspark_export
+from lightning_eagle.draft.dspark_export import dspark_config_from_json, export_dspark_draft, load_dspark_export
 from lightning_eagle.k3.loader import QUICKSTART_TARGET
 
 pytestmark = pytest.mark.slow
 
 PROBE = Path(__file__).with_name("vllm_dspark_probe.py")
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "mscale": 0.7, "mscale_all_dim": 1.0}
+# config.json changes vLLM's K3DSparkConfig refuses: our reader (and config) must refuse each as well
+REFUSALS = {
+    "q_lora_null": {"q_lora_rank": None},
+    "no_taps": {"target_layer_ids": [], "num_target_layers": 0},
+    "tap_count": {"num_target_layers": 2},
+    "nope": {"mla_use_nope": True},
+    "output_gate": {"mla_use_output_gate": True},
+    "qk_norm": {"mla_use_qk_norm": True},
+    "bonus_anchor": {"dspark_bonus_anchor": True},
+    "draft_vocab": {"draft_vocab_size": 256},
+}
 VARIANTS = {
     "confidence": dict(rope_scaling=YARN, aux_hidden_state_stream="mixed"),
     "no_confidence": dict(enable_confidence_head=False, block_size=3),
@@ -76,7 +87,8 @@ def run_probe(python: Path, folder: Path, draft: Path, num_speculative_tokens: i
     folder.mkdir(parents=True, exist_ok=True)
     inputs = probe_inputs(folder, load_dspark_export(draft).config)
     request = {"draft": str(draft), "target": str(QUICKSTART_TARGET), "out": str(folder),
-               "num_speculative_tokens": num_speculative_tokens, "inputs": str(inputs)}  # fmt: skip
+               "num_speculative_tokens": num_speculative_tokens, "inputs": str(inputs),
+               "refusals": REFUSALS}  # fmt: skip
     (folder / "request.json").write_text(json.dumps(request))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     done = subprocess.run(
@@ -201,3 +213,14 @@ def test_vllm_pieces_compute_what_ours_do(probes, name):
     assert abs(run["result"]["softmax_scale"] - layer.self_attn.scale) <= 1e-6 * layer.self_attn.scale
     if ours.config.rope_scaling is not None:  # YaRN's mscale correction is in both scales
         assert layer.self_attn.scale != ours.config.qk_head_dim**-0.5
+
+
+def test_we_refuse_what_vllm_refuses(probes):
+    run = probes["confidence"]
+    vllm = run["result"]["refusals"]
+    assert sorted(vllm) == sorted(REFUSALS)
+    for name, changes in REFUSALS.items():
+        assert vllm[name] and "MLA DSpark" in vllm[name], (name, vllm[name])  # vLLM refuses it ...
+        with pytest.raises(ValueError):  # ... and so does our reader of the same config.json
+            dspark_config_from_json({**run["config"], **changes})
+    dspark_config_from_json(run["config"])  # the unchanged export is accepted by both

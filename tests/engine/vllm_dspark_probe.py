@@ -3,7 +3,8 @@ own config, speculative config, model registry, model class and loader, and reco
 
     python vllm_dspark_probe.py REQUEST.json
 
-``REQUEST.json``: ``{"draft", "target", "num_speculative_tokens", "out", "inputs" (a safetensors file or null)}``.
+``REQUEST.json``: ``{"draft", "target", "num_speculative_tokens", "out", "inputs" (a safetensors file or null),
+"refusals" (name -> config changes; ``result["refusals"][name]`` is vLLM's error, or null when it accepted)}``.
 Writes ``out/result.json``, ``out/loaded.safetensors`` (every parameter of vLLM's ``K3DSparkForCausalLM`` after its
 ``load_weights``) and ``out/computed.safetensors`` (what the loaded model's own pieces compute on ``inputs``:
 ``combine_hidden_states``, layer 0's rotary (``forward_native``), ``KimiMLP`` and input norm, ``markov_embed`` /
@@ -63,6 +64,15 @@ result["config"] = {
         "n_routed_experts", "hidden_act",
     )
 }  # fmt: skip
+
+# vLLM's refusals of mutated copies of the exported config (request["refusals"]: name -> field changes)
+result["refusals"] = {}
+for name, changes in (request.get("refusals") or {}).items():
+    try:
+        K3DSparkConfig(**{**json.loads((draft / "config.json").read_text()), **changes})
+        result["refusals"][name] = None
+    except ValueError as error:
+        result["refusals"][name] = str(error)
 
 target = ModelConfig(model=request["target"], dtype="bfloat16", max_model_len=256)
 tokens = (
