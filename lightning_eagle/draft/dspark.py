@@ -48,8 +48,9 @@ from torch import nn
 
 from lightning_eagle.backends import BackendSetting
 from lightning_eagle.draft.deepseek_mla import DeepseekMLAAttention, SwiGLUMLP
+from lightning_eagle.draft.dspark_attention import ATTENTION_FORMS, check_kv_form
 from lightning_eagle.draft.dspark_config import DSparkDraftConfig
-from lightning_eagle.ops.mla import MLA_BACKEND, MLA_CORES
+from lightning_eagle.ops.mla import MLA_BACKEND
 from lightning_eagle.ops.norm import K3RMSNorm
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: latent [B,1,T,r], rotated k_pe [B,1,T,d_rope]
@@ -71,16 +72,21 @@ class DSparkDecoderLayer(nn.Module):
         return self.self_attn.project_latent(context, positions)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor], allowed, attend
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        context: tuple[torch.Tensor, torch.Tensor],
+        allowed: torch.Tensor,
+        kv_form: str,
+        core: str,
     ) -> torch.Tensor:
-        """``x [B,S,H]`` block states at ``positions [B,S]``; ``context`` = expanded ``(k, v)`` ``[B,n,T,·]``;
-        ``allowed [B,1,S,T+S]`` boolean; ``attend`` the attention core ``(q, k, v, mask, scale) -> o``."""
+        """``x [B,S,H]`` block states at ``positions [B,S]``; ``context`` = this layer's context latent and rotated
+        ``k_pe``; ``allowed [B,1,S,T+S]`` boolean; ``kv_form`` / ``core``: :mod:`~lightning_eagle.draft.
+        dspark_attention`."""
         attn = self.self_attn
         h = self.input_layernorm(x)
         q = attn.project_query(h, positions)
-        k, v = attn.expand_latent(*attn.project_latent(h, positions))
-        k, v = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
-        o = attend(q, k, v, allowed, attn.scale)
+        o = ATTENTION_FORMS[kv_form](attn, q, context, attn.project_latent(h, positions), allowed, core)
         B, n, S, _ = q.shape
         x = x + attn.o_proj(o.transpose(1, 2).reshape(B, S, n * attn.v_head_dim))
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -128,12 +134,20 @@ class DSparkDrafter(nn.Module):
     the calls that need them, never owned (so never saved or exported).
 
     ``mla_backend`` (:data:`~lightning_eagle.ops.mla.MLA_BACKEND`: ``auto`` = ``sdpa``, or ``eager``) picks the
-    attention core; ``block_chunk`` (None: all anchors at once) how many anchors one attention call takes."""
+    attention core, ``kv_form`` (``latent``, or the ``expanded`` twin: :mod:`~lightning_eagle.draft.dspark_attention`)
+    the form of the keys; ``block_chunk`` (None: all anchors at once) how many anchors one attention call takes."""
 
     mla_backend = BackendSetting(MLA_BACKEND)
 
-    def __init__(self, config: DSparkDraftConfig, mla_backend: str = "auto", block_chunk: int | None = 64) -> None:
+    def __init__(
+        self,
+        config: DSparkDraftConfig,
+        mla_backend: str = "auto",
+        block_chunk: int | None = 64,
+        kv_form: str = "latent",
+    ) -> None:
         super().__init__()
+        self.kv_form = check_kv_form(kv_form)
         if block_chunk is not None and (isinstance(block_chunk, bool) or not isinstance(block_chunk, int)):
             raise ValueError(f"block_chunk must be a positive int or None, got {block_chunk!r}")
         if block_chunk is not None and block_chunk < 1:
@@ -169,9 +183,6 @@ class DSparkDrafter(nn.Module):
         ``precompute_and_store_context_kv`` input)."""
         return [layer.context_latent(context, positions) for layer in self.layers]
 
-    def _attend(self, device: torch.device):
-        return MLA_CORES[MLA_BACKEND.resolve(self.mla_backend, device)]
-
     # ---- blocks ------------------------------------------------------------------------------------------------
     def block_inputs(self, input_ids: torch.Tensor, anchors: torch.Tensor, embed: nn.Module) -> torch.Tensor:
         """``[B,A,g,H]``: slot 0 = ``embed(x_p)``, slots 1..g-1 = ``embed(mask_token_id)``."""
@@ -194,10 +205,10 @@ class DSparkDrafter(nn.Module):
         block_of = torch.arange(a, device=x.device).repeat_interleave(g)
         own_block = (block_of[:, None] == block_of[None, :]).expand(B, -1, -1)  # [B, a·g, a·g]
         allowed = torch.cat([sees_context, own_block], dim=-1)[:, None]
-        attend = self._attend(x.device)
+        core, kv_form = MLA_BACKEND.resolve(self.mla_backend, x.device), check_kv_form(self.kv_form)
         h = x.reshape(B, a * g, H)
-        for layer, (latent, k_pe) in zip(self.layers, context, strict=True):
-            h = layer(h, positions, layer.self_attn.expand_latent(latent, k_pe), allowed, attend)
+        for layer, layer_context in zip(self.layers, context, strict=True):
+            h = layer(h, positions, layer_context, allowed, kv_form, core)
         return self.final_norm(h).view(B, a, g, H)
 
     def forward(

@@ -13,10 +13,10 @@ from lightning_eagle.draft.dspark_config import dspark_config_from_preset
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.7, "mscale_all_dim": 1.0}
 
 
-def build(seed: int = 0, **overrides) -> tuple[DSparkDrafter, nn.Embedding, nn.Linear]:
+def build(seed: int = 0, kv_form: str = "latent", **overrides) -> tuple[DSparkDrafter, nn.Embedding, nn.Linear]:
     torch.manual_seed(seed)
     config = dspark_config_from_preset("k3-tiny", rope_scaling=YARN, **overrides)
-    drafter = DSparkDrafter(config)
+    drafter = DSparkDrafter(config, kv_form=kv_form)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if name.endswith("norm.weight"):
@@ -69,39 +69,59 @@ def test_parameter_shapes_and_count():
     assert "confidence_head.proj.weight" not in without.state_dict()
 
 
+def forward_and_grads(drafter, embed, features, ids, anchors, keep):
+    drafter.zero_grad()
+    f = features.clone().requires_grad_(True)
+    out = drafter(f, ids, anchors, keep, embed)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    (out * weights).sum().backward()
+    return out.detach(), f.grad, {k: p.grad.clone() for k, p in drafter.named_parameters() if p.grad is not None}
+
+
+def assert_same(result, reference, rtol=1e-5, atol=1e-5):
+    torch.testing.assert_close(result[0], reference[0], rtol=rtol, atol=atol)
+    torch.testing.assert_close(result[1], reference[1], rtol=rtol, atol=atol)
+    assert set(result[2]) == set(reference[2])
+    for k in reference[2]:
+        torch.testing.assert_close(result[2][k], reference[2][k], rtol=10 * rtol, atol=atol, msg=k)
+
+
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_chunked_equals_one_shot_forward_and_backward(backend):
+def test_latent_form_equals_expanded_form_forward_and_backward(backend):
     drafter, embed, _ = build()
     drafter.mla_backend = backend
-    features, ids, anchors, keep = batch(drafter.config)
-    results = []
-    for chunk in (None, 2, 4):
-        drafter.zero_grad()
-        drafter.block_chunk = chunk
-        f = features.clone().requires_grad_(True)
-        out = drafter(f, ids, anchors, keep, embed)
-        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
-        (out * weights).sum().backward()
-        grads = {k: p.grad.clone() for k, p in drafter.named_parameters() if p.grad is not None}
-        results.append((out.detach(), f.grad, grads))
-    plain = results[0]
+    inputs = batch(drafter.config)
+    drafter.kv_form = "expanded"
+    expanded = forward_and_grads(drafter, embed, *inputs)
+    drafter.kv_form = "latent"
+    assert_same(forward_and_grads(drafter, embed, *inputs), expanded)
+
+
+@pytest.mark.parametrize("kv_form", ["latent", "expanded"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_chunked_equals_one_shot_forward_and_backward(backend, kv_form):
+    drafter, embed, _ = build(kv_form=kv_form)
+    drafter.mla_backend = backend
+    inputs = batch(drafter.config)
+    _, _, _, keep = inputs
+    drafter.block_chunk = None  # the plain twin: every anchor in one attention call, one dense mask
+    plain = forward_and_grads(drafter, embed, *inputs)
     backbone = {k for k, _ in drafter.named_parameters() if not k.startswith(("markov_head.", "confidence_head."))}
     assert plain[0].abs().sum() > 0 and set(plain[2]) == backbone  # the heads are not part of the slot states
-    for out, f_grad, grads in results[1:]:
-        torch.testing.assert_close(out, plain[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(f_grad, plain[1], rtol=1e-5, atol=1e-5)
-        for k in plain[2]:
-            torch.testing.assert_close(grads[k], plain[2][k], rtol=1e-4, atol=1e-5)
     assert (plain[0][~keep] == 0).all()
+    for chunk in (2, 4):
+        drafter.block_chunk = chunk
+        assert_same(forward_and_grads(drafter, embed, *inputs), plain)
 
 
-def test_eager_and_sdpa_agree():
-    drafter, embed, _ = build()
-    features, ids, anchors, keep = batch(drafter.config)
+@pytest.mark.parametrize("kv_form", ["latent", "expanded"])
+def test_eager_and_sdpa_agree(kv_form):
+    drafter, embed, _ = build(kv_form=kv_form)
+    inputs = batch(drafter.config)
     drafter.mla_backend = "eager"
-    eager = drafter(features, ids, anchors, keep, embed)
+    eager = forward_and_grads(drafter, embed, *inputs)
     drafter.mla_backend = "sdpa"
-    torch.testing.assert_close(drafter(features, ids, anchors, keep, embed), eager, rtol=1e-5, atol=1e-5)
+    assert_same(forward_and_grads(drafter, embed, *inputs), eager)
 
 
 def test_context_at_or_after_the_anchor_is_not_seen():
@@ -189,6 +209,8 @@ def test_confidence_logits_and_bad_inputs():
         drafter(features[..., :-1], ids, anchors, keep, embed)
     with pytest.raises(ValueError, match=r"anchors must be positions in \[0, 24\)"):
         drafter(features, ids, anchors + 30, keep, embed)
+    with pytest.raises(ValueError, match=r"kv_form must be one of \('latent', 'expanded'\)"):
+        DSparkDrafter(drafter.config, kv_form="dense")
     with pytest.raises(ValueError, match="block_chunk must be a positive int or None"):
         DSparkDrafter(drafter.config, block_chunk=0)
     with pytest.raises(ValueError, match="no confidence head"):
