@@ -7,7 +7,8 @@
 ``vocab_size`` = ``draft_vocab_size`` (shared with the target), ``target_hidden_size``, ``num_target_layers``,
 ``target_layer_ids`` (our 0-based taps, which are vLLM's DSpark numbering: its runner adds one to capture the state
 entering layer ``i + 1``), ``block_size``, ``mask_token_id`` (what ``get_parallel_drafting_token_id`` reads),
-``markov_rank``, ``enable_confidence_head`` + ``confidence_head_with_markov``. The K3 AttnRes stream the taps read is
+``markov_rank``, ``enable_confidence_head`` + ``confidence_head_with_markov``, ``sample_from_anchor: true`` (slot 0
+predicts: vLLM's ``DSparkSpeculator`` default, written explicitly). The K3 AttnRes stream the taps read is
 recorded as ``aux_hidden_state_stream`` and as the engine setting it needs under ``serving_env``
 (``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM``), which :func:`dspark_serving_command` prints.
 
@@ -84,6 +85,8 @@ def dspark_config_json(config: DSparkDraftConfig, torch_dtype: torch.dtype) -> d
         target_layer_ids=list(config.target_layer_ids),
         num_target_layers=config.num_target_layers,
         confidence_head_with_markov=config.enable_confidence_head,
+        # slot 0 (the anchor) predicts the first draft token: what we train (vLLM's default, written to be explicit)
+        sample_from_anchor=True,
         rope_parameters=rope_parameters(config),
         tie_word_embeddings=False,
         torch_dtype=str(torch_dtype).removeprefix("torch."),
@@ -108,6 +111,11 @@ def dspark_config_from_json(data: dict[str, Any]) -> DSparkDraftConfig:
         raise ValueError(
             f"config.json: draft_vocab_size {data['draft_vocab_size']} != vocab_size {data.get('vocab_size')}: the "
             "DSpark draft shares the target's embedding and LM head (vLLM refuses a draft vocabulary)"
+        )
+    if data.get("sample_from_anchor", True) is not True:
+        raise ValueError(
+            "config.json: sample_from_anchor must be true: this drafter is trained with the anchor as the first "
+            "prediction (slot k predicts token anchor + k + 1), not the DFlash fill-in layout"
         )
     ids = data.get("target_layer_ids")
     if isinstance(ids, list) and data.get("num_target_layers", len(ids)) != len(ids):

@@ -58,6 +58,7 @@ def test_config_json_holds_what_vllm_reads(tmp_path):
     assert data["rope_parameters"]["rope_theta"] == c.rope_theta
     assert data["rope_parameters"]["factor"] == YARN["factor"]
     assert data["enable_confidence_head"] is data["confidence_head_with_markov"] is True
+    assert data["sample_from_anchor"] is True
     assert data["serving_env"] == {"VLLM_KIMI_K3_AUX_ATTN_RES_STREAM": "0"}
     for refused in ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dspark_bonus_anchor"):
         assert not data.get(refused)
@@ -111,6 +112,7 @@ def test_refusals_and_overwrite(tmp_path):
         ({"draft_vocab_size": 256}, "draft_vocab_size 256 != vocab_size 512"),
         ({"num_target_layers": 2}, r"num_target_layers 2 != len\(target_layer_ids\) 3"),
         ({"q_lora_rank": None}, "q_lora_rank is required"),
+        ({"sample_from_anchor": False}, "sample_from_anchor must be true"),
         ({"target_layer_ids": [], "num_target_layers": 0}, "target_layer_ids must be a non-empty list"),
     ],
 )

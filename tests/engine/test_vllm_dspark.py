@@ -123,7 +123,8 @@ def test_vllm_config_parses_our_values(probes, name):
     for field in ("target_layer_ids", "num_target_layers", "vocab_size", "draft_vocab_size", "q_lora_rank",
                   "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "hidden_size",
                   "intermediate_size", "num_hidden_layers", "num_attention_heads", "markov_rank",
-                  "target_hidden_size", "block_size", "hidden_act"):  # fmt: skip
+                  "target_hidden_size", "block_size", "hidden_act", "sample_from_anchor", "mask_token_id",
+                  "enable_confidence_head", "confidence_head_with_markov"):  # fmt: skip
         assert parsed[field] == ours[field], field
     assert parsed["rope_parameters"] == ours["rope_parameters"]
     assert parsed["n_routed_experts"] == 0  # vLLM sees a dense draft

@@ -61,7 +61,8 @@ result["config"] = {
         "rope_parameters", "target_layer_ids", "num_target_layers", "vocab_size", "draft_vocab_size", "q_lora_rank",
         "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "hidden_size", "intermediate_size",
         "num_hidden_layers", "num_attention_heads", "markov_rank", "target_hidden_size", "block_size",
-        "n_routed_experts", "hidden_act",
+        "n_routed_experts", "hidden_act", "sample_from_anchor", "mask_token_id", "enable_confidence_head",
+        "confidence_head_with_markov",
     )
 }  # fmt: skip
 
