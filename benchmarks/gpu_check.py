@@ -62,6 +62,19 @@ both at real lengths (``time_ratio`` = fast ms / twin ms, ``peak_ratio`` = fast 
   ``peak_ratio_vs_prev``, which must stay ≤ 1.125 × the length ratio (memory linear in T). A length that runs out of
   memory is reported as "OOM", not as a failure.
 
+The DSpark drafter (issue 29):
+
+* ``dspark_vllm`` — vLLM's own ``K3DSparkForCausalLM`` forward next to ours. Our drafter (the ``k3-tiny`` DSpark
+  preset at the latent width vLLM's GPU MLA kernels take: kv_lora 512 + rope 64, nope/v 128, 16 heads; bf16-exact
+  random weights) is exported (``export_dspark_draft``) and served with the quickstart K3 target by ``vllm.LLM``
+  in ``benchmarks/dspark_vllm_capture.py`` (``--vllm-python``: a Python with vLLM's CUDA build; default this one
+  when it imports vLLM); per prompt the first draft round's ``combine_hidden_states``, context K/V input and block
+  forward are recorded and recomputed by ours in fp32 from the same inputs: relative error of the combined context
+  and of the slot states after ``final_norm`` (≤ 3e-2, bf16 engine vs fp32 ours), plus the layout vLLM fed (block
+  positions ``anchor..anchor+g-1``, mask ids in slots 1.., context positions ``0..P-1``). Without CUDA or without
+  vLLM the engine row says so (not a failure); a self-consistency row always runs the same comparison on captures
+  made by our own drafter in bf16 (the plumbing, CPU-checked). It never ran on a GPU when written.
+
 Time: the script is sized for < 8 min on one H200; ``--budget-s`` (default 420) skips a section that would start
 later and a ``long_context`` length predicted to end later (status "skipped (time budget)", listed under
 ``skipped``); the JSON is rewritten after every section (``complete`` false until the end), with each section's
@@ -104,7 +117,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_TARGET = REPO_ROOT / "tests" / "golden" / "target"
 SECTIONS = (
     "kda_model", "golden", "layers", "ttt_attention", "ttt_step",
-    "chunked_loss", "flash_lse_block", "latent_cache", "target_chunks", "long_context",
+    "chunked_loss", "flash_lse_block", "latent_cache", "target_chunks", "long_context", "dspark_vllm",
 )  # fmt: skip
 DEFAULT_BUDGET_S = 420.0  # the whole script: the GPU session's ~15 min include start-up and a possible rerun
 TTT_BACKENDS = ("eager", "flash_lse", "sdpa_mask", "flex_attention")
@@ -1124,6 +1137,139 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---- dspark_vllm ---------------------------------------------------------------------------------------------------
+DSPARK_PROMPTS = [[17, 300, 45, 101, 7, 260, 99, 3], [400, 12, 250, 5, 77]]
+DSPARK_REL_TOL = 3e-2  # vLLM in bf16 against ours in fp32 on the same bf16-exact weights and inputs
+DSPARK_CAPTURE = REPO_ROOT / "benchmarks" / "dspark_vllm_capture.py"
+
+
+def default_vllm_python() -> str | None:
+    import importlib.util
+
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+def dspark_drafter_and_embedding(seed: int = 0):
+    """Our DSpark drafter at vLLM's GPU MLA widths (fp32, bf16-exact random weights) and the quickstart target's
+    embedding (bf16-exact fp32)."""
+    from safetensors import safe_open
+
+    from lightning_eagle.draft.dspark import DSparkDrafter
+    from lightning_eagle.draft.dspark_config import dspark_config_from_preset
+    from lightning_eagle.k3.loader import QUICKSTART_TARGET
+
+    torch.manual_seed(seed)
+    config = dspark_config_from_preset(
+        "k3-tiny", kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_attention_heads=16
+    )
+    drafter = DSparkDrafter(config)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)  # not the ones of a fresh norm: a misplaced weight shows
+    with safe_open(str(QUICKSTART_TARGET / "model.safetensors"), "pt") as f:
+        weight = f.get_tensor("language_model.model.embed_tokens.weight").float()
+    embed = torch.nn.Embedding.from_pretrained(bf16_exact(weight))
+    return bf16_exact_module(drafter).eval(), embed
+
+
+@torch.no_grad()
+def dspark_compare_rows(drafter, embed, captures: dict, num_prompts: int, source: str) -> list[dict]:
+    """Our recomputation of each prompt's first draft round from the inputs the engine recorded
+    (``dspark_vllm_capture.py`` names), against the engine's outputs."""
+    g, mask = drafter.config.block_size, drafter.config.mask_token_id
+    device = next(drafter.parameters()).device
+    rows = []
+    for i in range(num_prompts):
+        c = {k.split(".", 1)[1]: v.to(device) for k, v in captures.items() if k.startswith(f"{i}.")}
+        row = {"check": f"{source}: prompt {i}"}
+        if "block.out" not in c:
+            rows.append({**row, "status": "FAIL", "note": "no draft block was recorded after the prompt's context"})
+            continue
+        context, positions = c["context.states"].float(), c["context.positions"].long()
+        ids, block_positions = c["block.input_ids"].long(), c["block.positions"].long()
+        anchor = block_positions[:1]
+        layout = (
+            ids.shape == (g,)
+            and torch.equal(block_positions, anchor + torch.arange(g, device=device))
+            and bool((ids[1:] == mask).all())
+            and torch.equal(positions, torch.arange(positions.numel(), device=device))
+            and int(anchor) == positions.numel()
+        )
+        combined = drafter.combine_hidden_states(c["combine.in"].float()[None])[0]
+        latents = drafter.context_kv_from_combined(context[None], positions)
+        ours = drafter.run_blocks(embed(ids).view(1, 1, g, -1), anchor[None], latents, positions)[0, 0]
+        errors = {
+            "combine_rel_err": rel_err(c["combine.out"], combined),
+            # the context written into the caches is the combined prompt (the first P rows of the combine call)
+            "context_is_combined_rel_err": rel_err(context, c["combine.out"][: context.shape[0]]),
+            "block_rel_err": rel_err(c["block.out"], ours),
+        }  # fmt: skip
+        ok = layout and all(e <= DSPARK_REL_TOL for e in errors.values())
+        rows.append(
+            {**row, **errors, "layout_ok": layout, "tolerance": DSPARK_REL_TOL, "status": "PASS" if ok else "FAIL"}
+        )
+    return rows
+
+
+@torch.no_grad()
+def dspark_own_captures(drafter, embed, prompts) -> dict:
+    """What the capture script records, produced by our own drafter in bf16 (the comparison's plumbing check)."""
+    cfg, device = drafter.config, next(drafter.parameters()).device
+    twin = copy.deepcopy(drafter).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    captures = {}
+    for i, prompt in enumerate(prompts):
+        P = len(prompt)
+        states = bf16_exact(torch.randn(P, cfg.context_size, generator=g)).to(device)
+        combined = twin.combine_hidden_states(states.to(torch.bfloat16)[None])[0]
+        positions = torch.arange(P, device=device)
+        ids = torch.full((cfg.block_size,), cfg.mask_token_id, device=device)
+        ids[0] = prompt[-1]
+        latents = twin.context_kv_from_combined(combined[None], positions)
+        x = embed(ids).to(torch.bfloat16).view(1, 1, cfg.block_size, -1)
+        out = twin.run_blocks(x, torch.tensor([[P]], device=device), latents, positions)[0, 0]
+        captures.update({
+            f"{i}.combine.in": states, f"{i}.combine.out": combined, f"{i}.context.states": combined,
+            f"{i}.context.positions": positions, f"{i}.block.input_ids": ids,
+            f"{i}.block.positions": P + torch.arange(cfg.block_size, device=device), f"{i}.block.out": out,
+        })  # fmt: skip
+    return captures
+
+
+def section_dspark_vllm(device: torch.device, vllm_python: str | None) -> list[dict]:
+    import subprocess
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from lightning_eagle.draft.dspark_export import export_dspark_draft
+    from lightning_eagle.k3.loader import QUICKSTART_TARGET
+
+    drafter, embed = dspark_drafter_and_embedding()
+    drafter, embed = drafter.to(device), embed.to(device)
+    own = dspark_own_captures(drafter, embed, DSPARK_PROMPTS)
+    rows = dspark_compare_rows(drafter, embed, own, len(DSPARK_PROMPTS), "ours bf16 (self-consistency)")
+    engine = {"check": "vLLM K3DSparkForCausalLM forward"}
+    if device.type != "cuda":
+        return rows + [{**engine, "status": "CUDA only"}]
+    if vllm_python is None:
+        return rows + [{**engine, "status": "vllm not installed", "note": "pass --vllm-python"}]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = export_dspark_draft(drafter, Path(tmp) / "draft")
+        request = {"target": str(QUICKSTART_TARGET), "draft": str(folder), "prompts": DSPARK_PROMPTS,
+                   "num_speculative_tokens": drafter.config.block_size, "out": str(Path(tmp) / "out")}  # fmt: skip
+        (Path(tmp) / "request.json").write_text(json.dumps(request))
+        done = subprocess.run(
+            [vllm_python, str(DSPARK_CAPTURE), str(Path(tmp) / "request.json")],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        if done.returncode != 0:
+            return rows + [{**engine, "status": "error", "note": (done.stdout + done.stderr)[-1500:]}]
+        captures = load_file(str(Path(tmp) / "out" / "captures.safetensors"))
+    return rows + dspark_compare_rows(drafter, embed, captures, len(DSPARK_PROMPTS), "vLLM bf16")
+
+
 def run_section(name: str, device: torch.device, sizes: Sizes, args) -> list[dict]:
     if name == "kda_model":
         return section_kda_model(device, sizes)
@@ -1137,6 +1283,8 @@ def run_section(name: str, device: torch.device, sizes: Sizes, args) -> list[dic
         return section_ttt_step(device, sizes, args.peak_tflops)
     if name == "long_context":
         return section_long_context(device, sizes, args.deadline)
+    if name == "dspark_vllm":
+        return section_dspark_vllm(device, args.vllm_python)
     sections = {
         "chunked_loss": section_chunked_loss,
         "flash_lse_block": section_flash_lse_block,
@@ -1163,6 +1311,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--golden", default=str(GOLDEN_TARGET))
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (CUDA default: 989)")
+    parser.add_argument(
+        "--vllm-python", default=default_vllm_python(), help="a Python with vLLM's CUDA build (dspark_vllm)"
+    )
     parser.add_argument(
         "--budget-s", type=float, default=DEFAULT_BUDGET_S,
         help="seconds for the whole run: a section that would start later is skipped, as is a long_context length "

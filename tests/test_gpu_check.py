@@ -214,3 +214,25 @@ def test_a_section_fails_a_broken_fast_path(gpu_check, monkeypatch):
     checks = [r for r in rows if "check" in r]
     assert checks and all(r["status"] == "FAIL" and r["block_rule"] == "CausalBlock" for r in checks)
     assert min(r["out_rel_err"] for r in checks) > 1e-2
+
+
+def test_dspark_vllm_section_on_cpu(gpu_check):
+    """The DSpark comparison's plumbing on CPU: our own bf16 captures pass, the engine row says CUDA only, and a
+    perturbed output or a wrong layout fails."""
+    rows = gpu_check.section_dspark_vllm(torch.device("cpu"), None)
+    own, engine = rows[:-1], rows[-1]
+    assert len(own) == len(gpu_check.DSPARK_PROMPTS) and engine["status"] == "CUDA only"
+    for row in own:
+        assert row["status"] == "PASS" and row["layout_ok"] is True, row
+        assert 0 < row["block_rel_err"] <= row["tolerance"] and 0 < row["combine_rel_err"] <= row["tolerance"]
+    drafter, embed = gpu_check.dspark_drafter_and_embedding()
+    captures = gpu_check.dspark_own_captures(drafter, embed, gpu_check.DSPARK_PROMPTS[:1])
+    broken = dict(captures)
+    broken["0.block.out"] = captures["0.block.out"].flip(0)  # the slots in the wrong order
+    assert gpu_check.dspark_compare_rows(drafter, embed, broken, 1, "broken")[0]["status"] == "FAIL"
+    shifted = dict(captures)
+    shifted["0.block.positions"] = captures["0.block.positions"] + 1  # not anchored right after the context
+    row = gpu_check.dspark_compare_rows(drafter, embed, shifted, 1, "shifted")[0]
+    assert row["status"] == "FAIL" and row["layout_ok"] is False
+    missing = {k: v for k, v in captures.items() if not k.startswith("0.block")}
+    assert gpu_check.dspark_compare_rows(drafter, embed, missing, 1, "missing")[0]["status"] == "FAIL"

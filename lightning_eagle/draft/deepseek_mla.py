@@ -33,6 +33,7 @@ from torch import nn
 
 from lightning_eagle.draft.config import Eagle3DraftConfig
 from lightning_eagle.draft.model import Eagle3DecoderLayer, KimiK3Eagle3Draft, register_draft_architecture
+from lightning_eagle.ops.mla import expand_latent_kv
 from lightning_eagle.ops.rotary import InterleavedRotary, attention_scale
 
 
@@ -85,11 +86,19 @@ class DeepseekMLAAttention(nn.Module):
     ``q = q_b(norm(q_a(x)))`` → per head ``[q_nope | q_rope]``; ``[latent | k_rot] = kv_a_proj_with_mqa(x)``;
     ``[k_nope | v] = kv_b(norm(latent))`` per head; ``k = [k_nope | rope(k_rot)]`` with ``k_rot`` shared by all
     heads (one K/V head per query head after expansion). The attention core is the caller's (TTT cache or inference).
+
+    ``config`` is any config with these field names (:class:`Eagle3DraftConfig`, the DSpark draft's config);
+    ``norm_class`` builds the two latent norms (default :class:`DeepseekRMSNorm`). :meth:`project` is
+    :meth:`project_query` + :meth:`project_latent` + :meth:`expand_latent`; the DSpark drafter uses the pieces, since
+    its context keys come from ``kv_a_proj_with_mqa`` alone.
     """
 
-    def __init__(self, config: Eagle3DraftConfig, input_size: int, output_size: int) -> None:
+    def __init__(
+        self, config: Eagle3DraftConfig, input_size: int, output_size: int, norm_class: type[nn.Module] | None = None
+    ) -> None:
         super().__init__()
         c, eps = config, config.rms_norm_eps
+        norm_class = norm_class or DeepseekRMSNorm
         self.num_heads = c.num_attention_heads
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = (
             c.qk_nope_head_dim,
@@ -99,10 +108,10 @@ class DeepseekMLAAttention(nn.Module):
         self.qk_head_dim = c.qk_head_dim
         self.kv_lora_rank = c.kv_lora_rank
         self.q_a_proj = nn.Linear(input_size, c.q_lora_rank, bias=False)
-        self.q_a_layernorm = DeepseekRMSNorm(c.q_lora_rank, eps=eps)
+        self.q_a_layernorm = norm_class(c.q_lora_rank, eps=eps)
         self.q_b_proj = nn.Linear(c.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(input_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = DeepseekRMSNorm(c.kv_lora_rank, eps=eps)
+        self.kv_a_layernorm = norm_class(c.kv_lora_rank, eps=eps)
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, self.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * c.v_head_dim, output_size, bias=False)
         self.rotary = InterleavedRotary(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
@@ -110,16 +119,26 @@ class DeepseekMLAAttention(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [B,T,in]``, ``positions [B,T]`` or ``[T]`` → ``q, k [B,n,T,d_qk]`` (rope slices rotated), ``v``."""
+        return (self.project_query(x, positions), *self.expand_latent(*self.project_latent(x, positions)))
+
+    def project_query(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x [B,T,in]`` → ``q [B,n,T,d_qk]`` = ``[q_nope | rope(q_rope)]``."""
         B, T, _ = x.shape
-        n, d_nope, d_rope = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, n, self.qk_head_dim).transpose(1, 2)
-        q_nope, q_rope = q.split([d_nope, d_rope], dim=-1)
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, d_rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, n, d_nope + self.v_head_dim).transpose(1, 2)
-        k_nope, v = kv.split([d_nope, self.v_head_dim], dim=-1)
-        q_rope = self.rotary(q_rope, positions)
-        k_rot = self.rotary(k_rot.view(B, 1, T, d_rope), positions).expand(B, n, T, d_rope)
-        return torch.cat([q_nope, q_rope], dim=-1), torch.cat([k_nope, k_rot], dim=-1), v
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, self.num_heads, self.qk_head_dim)
+        q_nope, q_rope = q.transpose(1, 2).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        return torch.cat([q_nope, self.rotary(q_rope, positions)], dim=-1)
+
+    def project_latent(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [B,T,in]`` → the normalised KV latent ``[B,1,T,kv_lora_rank]`` and the rotated shared rope key
+        ``[B,1,T,d_rope]``: what an engine's MLA cache holds per token."""
+        B, T, _ = x.shape
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_rot = self.rotary(k_rot.view(B, 1, T, self.qk_rope_head_dim), positions)
+        return self.kv_a_layernorm(latent)[:, None], k_rot
+
+    def expand_latent(self, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``latent [B,1,T,r]``, ``k_rot [B,1,T,d_rope]`` → ``k [B,n,T,d_qk]``, ``v [B,n,T,d_v]`` (``kv_b_proj``)."""
+        return expand_latent_kv(self.kv_b_proj.weight, latent, k_rot, self.num_heads, self.qk_nope_head_dim)
 
 
 class DeepseekMLAEagle3Layer(Eagle3DecoderLayer):

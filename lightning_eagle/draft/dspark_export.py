@@ -1,0 +1,207 @@
+"""Write a DSpark drafter in the layout vLLM 0.32's loader reads (``K3DSparkForCausalLM``, registry name
+``K3DSparkModel``): ``config.json`` + ``model.safetensors``, and read it back.
+
+``config.json``: ``architectures ["K3DSparkModel"]``, ``model_type "k3_dspark"`` and every field ``K3DSparkConfig``
+(a ``DeepseekV3Config``) and the model read: the MLA and MLP widths, ``q_lora_rank``, ``rope_parameters``
+(``{"rope_type": "default" | "yarn", "rope_theta", …}``: vLLM turns a non-default type into ``deepseek_yarn``),
+``vocab_size`` = ``draft_vocab_size`` (shared with the target), ``target_hidden_size``, ``num_target_layers``,
+``target_layer_ids`` (our 0-based taps, which are vLLM's DSpark numbering: its runner adds one to capture the state
+entering layer ``i + 1``), ``block_size``, ``mask_token_id`` (what ``get_parallel_drafting_token_id`` reads),
+``markov_rank``, ``enable_confidence_head`` + ``confidence_head_with_markov``, ``sample_from_anchor: true`` (slot 0
+predicts: vLLM's ``DSparkSpeculator`` default, written explicitly). The K3 AttnRes stream the taps read is
+recorded as ``aux_hidden_state_stream`` and as the engine setting it needs under ``serving_env``
+(``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM``), which :func:`dspark_serving_command` prints.
+
+``model.safetensors``: the drafter's state under its own names (they are vLLM's, see
+:mod:`lightning_eagle.draft.dspark`), floats in ``dtype`` (bf16 by default, what vLLM serves) except the confidence
+head (fp32, vLLM's ``params_dtype``); no ``embed_tokens`` / ``lm_head`` (the target's; vLLM drops them anyway).
+Written atomically (:func:`lightning_eagle.atomic.atomic_dir`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lightning_eagle.atomic import atomic_dir, weights_folder_problem
+from lightning_eagle.draft.dspark import DSparkDrafter
+from lightning_eagle.draft.dspark_config import DSparkDraftConfig
+from lightning_eagle.draft.serving_format import AUX_STREAM_ENV, AUX_STREAM_ENV_VALUE, SERVING_ENV_KEY
+
+DSPARK_ARCHITECTURE = "K3DSparkModel"
+DSPARK_MODEL_TYPE = "k3_dspark"
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+# K3DSparkConfig raises on any of these set (the NoPE / gated / q-k-normed K3 MLA, the bonus anchor)
+VLLM_REFUSED_FLAGS = ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dspark_bonus_anchor")
+FP32_PREFIXES = ("confidence_head.",)  # vLLM keeps the confidence head in fp32
+# Fields written under the same name as the config's (vLLM reads them so).
+_PLAIN_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rms_norm_eps",
+    "vocab_size",
+    "target_hidden_size",
+    "block_size",
+    "mask_token_id",
+    "markov_rank",
+    "enable_confidence_head",
+    "max_position_embeddings",
+    "hidden_act",
+    # project fields (vLLM ignores them; our re-import reads them)
+    "target_num_hidden_layers",
+    "aux_hidden_state_stream",
+)
+
+
+def rope_parameters(config: DSparkDraftConfig) -> dict[str, Any]:
+    """What vLLM's K3 MLA builds its rotary from (``config.rope_parameters``)."""
+    if config.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    scaling = {k: v for k, v in config.rope_scaling.items() if k not in ("type", "rope_type")}
+    return {"rope_type": "yarn", "rope_theta": config.rope_theta, **scaling}
+
+
+def dspark_config_json(config: DSparkDraftConfig, torch_dtype: torch.dtype) -> dict[str, Any]:
+    """``config.json`` of the export (module docstring)."""
+    data: dict[str, Any] = {name: getattr(config, name) for name in _PLAIN_FIELDS}
+    data.update(
+        architectures=[DSPARK_ARCHITECTURE],
+        model_type=DSPARK_MODEL_TYPE,
+        num_key_value_heads=config.num_attention_heads,
+        draft_vocab_size=config.vocab_size,
+        target_layer_ids=list(config.target_layer_ids),
+        num_target_layers=config.num_target_layers,
+        confidence_head_with_markov=config.enable_confidence_head,
+        # slot 0 (the anchor) predicts the first draft token: what we train (vLLM's default, written to be explicit)
+        sample_from_anchor=True,
+        rope_parameters=rope_parameters(config),
+        tie_word_embeddings=False,
+        torch_dtype=str(torch_dtype).removeprefix("torch."),
+    )
+    data[SERVING_ENV_KEY] = {AUX_STREAM_ENV: AUX_STREAM_ENV_VALUE[config.aux_hidden_state_stream]}
+    return data
+
+
+def dspark_config_from_json(data: dict[str, Any]) -> DSparkDraftConfig:
+    """Inverse of :func:`dspark_config_json`; refuses a folder of another architecture and what vLLM's
+    ``K3DSparkConfig`` refuses (the flags of :data:`VLLM_REFUSED_FLAGS`, a draft vocabulary, a tap count that is not
+    ``num_target_layers``; ``q_lora_rank: null`` and empty taps through :class:`DSparkDraftConfig`)."""
+    if data.get("architectures") != [DSPARK_ARCHITECTURE] or data.get("model_type") != DSPARK_MODEL_TYPE:
+        raise ValueError(
+            f"not a DSpark export: architectures {data.get('architectures')!r}, model_type "
+            f"{data.get('model_type')!r} (expected [{DSPARK_ARCHITECTURE!r}], {DSPARK_MODEL_TYPE!r})"
+        )
+    refused = [name for name in VLLM_REFUSED_FLAGS if data.get(name)]
+    if refused:
+        raise ValueError(f"config.json sets {refused}: vLLM's MLA DSpark does not support them")
+    if data.get("draft_vocab_size", data.get("vocab_size")) != data.get("vocab_size"):
+        raise ValueError(
+            f"config.json: draft_vocab_size {data['draft_vocab_size']} != vocab_size {data.get('vocab_size')}: the "
+            "DSpark draft shares the target's embedding and LM head (vLLM refuses a draft vocabulary)"
+        )
+    if data.get("sample_from_anchor", True) is not True:
+        raise ValueError(
+            "config.json: sample_from_anchor must be true: this drafter is trained with the anchor as the first "
+            "prediction (slot k predicts token anchor + k + 1), not the DFlash fill-in layout"
+        )
+    ids = data.get("target_layer_ids")
+    if isinstance(ids, list) and data.get("num_target_layers", len(ids)) != len(ids):
+        raise ValueError(
+            f"config.json: num_target_layers {data['num_target_layers']} != len(target_layer_ids) {len(ids)}"
+        )
+    values = {name: data[name] for name in _PLAIN_FIELDS if name in data}
+    values["target_layer_ids"] = data["target_layer_ids"]
+    rope = dict(data.get("rope_parameters") or {"rope_type": "default", "rope_theta": 50000.0})
+    values["rope_theta"] = rope.pop("rope_theta", 50000.0)
+    kind = rope.pop("rope_type", "default")
+    values["rope_scaling"] = None if kind == "default" else {"type": kind, **rope}
+    return DSparkDraftConfig(**values)
+
+
+def dspark_export_state(drafter: DSparkDrafter, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The tensors of the export: the drafter's state (its names are vLLM's), floats in ``dtype``, the confidence
+    head fp32; contiguous CPU copies (safetensors refuses shared storage)."""
+    out = {}
+    for name, tensor in drafter.state_dict().items():
+        want = torch.float32 if name.startswith(FP32_PREFIXES) else dtype
+        out[name] = tensor.detach().to("cpu", want if tensor.is_floating_point() else tensor.dtype).contiguous().clone()
+    return out
+
+
+def export_dspark_draft(
+    drafter: Any,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    overwrite: bool = False,
+) -> Path:
+    """Export ``drafter`` (a :class:`DSparkDrafter`, or anything with one as ``.draft``) to ``out_dir`` atomically;
+    ``overwrite`` may replace only a previous weights export. Returns the folder."""
+    drafter = getattr(drafter, "draft", drafter)
+    if not isinstance(drafter, DSparkDrafter):
+        raise TypeError(f"export_dspark_draft takes a DSparkDrafter (or a module with one as .draft), got {drafter!r}")
+    tensors = dspark_export_state(drafter, dtype)
+    config_json = dspark_config_json(drafter.config, dtype)
+    out_dir = Path(out_dir)
+
+    def replaceable(folder: Path) -> str | None:
+        return weights_folder_problem(folder, frozenset({DSPARK_ARCHITECTURE}))
+
+    with atomic_dir(out_dir, overwrite=overwrite, replaceable=replaceable) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+        load_dspark_export(tmp)  # what was written is what a loader reads: refuse before the final name
+    return out_dir
+
+
+def load_dspark_export(folder: str | os.PathLike, dtype: torch.dtype | None = None) -> DSparkDrafter:
+    """A :class:`DSparkDrafter` from an export: every tensor present with the drafter's shape, nothing extra."""
+    folder = Path(folder)
+    config = dspark_config_from_json(json.loads((folder / CONFIG_NAME).read_text()))
+    state = load_file(str(folder / WEIGHTS_NAME))
+    drafter = DSparkDrafter(config)
+    expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in state.items()}
+    if found != expected:
+        missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+        wrong = sorted(k for k in set(found) & set(expected) if found[k] != expected[k])
+        raise ValueError(
+            f"{folder / WEIGHTS_NAME}: not the tensors of this config (missing {missing[:5]}, unexpected "
+            f"{extra[:5]}, wrong shapes {[(k, found[k], expected[k]) for k in wrong[:5]]})"
+        )
+    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    return drafter if dtype is None else drafter.to(dtype)
+
+
+def dspark_serving_command(
+    config_json: dict[str, Any],
+    folder: str,
+    target: str = "<K3 checkpoint>",
+    draft_sample_method: str = "greedy",
+    rejection_sample_method: str = "standard",
+) -> str:
+    """The ``vllm serve`` line for the export at ``folder`` (``num_speculative_tokens`` = the block size), with the
+    engine setting of the recorded AttnRes stream in front."""
+    env = config_json.get(SERVING_ENV_KEY) or {}
+    prefix = "".join(f"{k}={v} " for k, v in sorted(env.items()))
+    spec = {
+        "method": "dspark",
+        "model": folder,
+        "num_speculative_tokens": config_json["block_size"],
+        "draft_sample_method": draft_sample_method,
+        "rejection_sample_method": rejection_sample_method,
+    }
+    return f"{prefix}vllm serve {target} --speculative-config '{json.dumps(spec)}'"

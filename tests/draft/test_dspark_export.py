@@ -1,0 +1,122 @@
+"""The DSpark export: vLLM's config fields, exact round trip, the serving command, refusals, atomic overwrite."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lightning_eagle.draft.dspark import DSparkDrafter
+from lightning_eagle.draft.dspark_config import dspark_config_from_preset
+from lightning_eagle.draft.dspark_export import (
+    dspark_config_from_json,
+    dspark_serving_command,
+    export_dspark_draft,
+    load_dspark_export,
+)
+
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.7, "mscale_all_dim": 1.0}
+
+
+def drafter(**overrides) -> DSparkDrafter:
+    torch.manual_seed(0)
+    model = DSparkDrafter(dspark_config_from_preset("k3-tiny", **overrides))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()  # every tensor distinct from its init, so a dropped or swapped one shows
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_is_exact(tmp_path, dtype):
+    model = drafter(rope_scaling=YARN, aux_hidden_state_stream="mixed")
+    folder = export_dspark_draft(model, tmp_path / "served", dtype=dtype)
+    weights = load_file(str(folder / "model.safetensors"))
+    assert set(weights) == set(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        want = torch.float32 if name.startswith("confidence_head.") else dtype
+        assert weights[name].dtype == want
+        assert torch.equal(weights[name], tensor.to(want)), name
+    loaded = load_dspark_export(folder)
+    assert loaded.config == model.config
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, weights[name].float()), name
+
+
+def test_config_json_holds_what_vllm_reads(tmp_path):
+    model = drafter(rope_scaling=YARN)
+    data = json.loads((export_dspark_draft(model, tmp_path / "served") / "config.json").read_text())
+    c = model.config
+    assert data["architectures"] == ["K3DSparkModel"] and data["model_type"] == "k3_dspark"
+    assert data["target_layer_ids"] == c.target_layer_ids and data["num_target_layers"] == len(c.target_layer_ids)
+    assert data["draft_vocab_size"] == data["vocab_size"] == c.vocab_size
+    assert data["q_lora_rank"] == c.q_lora_rank and data["mask_token_id"] == c.mask_token_id
+    assert data["num_key_value_heads"] == data["num_attention_heads"] == c.num_attention_heads
+    assert data["rope_parameters"]["rope_type"] == "yarn"
+    assert data["rope_parameters"]["rope_theta"] == c.rope_theta
+    assert data["rope_parameters"]["factor"] == YARN["factor"]
+    assert data["enable_confidence_head"] is data["confidence_head_with_markov"] is True
+    assert data["sample_from_anchor"] is True
+    assert data["serving_env"] == {"VLLM_KIMI_K3_AUX_ATTN_RES_STREAM": "0"}
+    for refused in ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dspark_bonus_anchor"):
+        assert not data.get(refused)
+    default_rope = dspark_config_from_json({**data, "rope_parameters": {"rope_type": "default", "rope_theta": 9e4}})
+    assert default_rope.rope_scaling is None and default_rope.rope_theta == 9e4
+
+
+def test_serving_command(tmp_path):
+    model = drafter(aux_hidden_state_stream="mixed")
+    folder = export_dspark_draft(model, tmp_path / "served")
+    line = dspark_serving_command(json.loads((folder / "config.json").read_text()), str(folder), target="/m/K3")
+    assert line.startswith("VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1 vllm serve /m/K3 --speculative-config '")
+    spec = json.loads(line.split("--speculative-config '")[1].rstrip("'"))
+    assert spec == {
+        "method": "dspark",
+        "model": str(folder),
+        "num_speculative_tokens": model.config.block_size,
+        "draft_sample_method": "greedy",
+        "rejection_sample_method": "standard",
+    }
+
+
+def test_refusals_and_overwrite(tmp_path):
+    model = drafter()
+    folder = export_dspark_draft(model, tmp_path / "served")
+    with pytest.raises(FileExistsError, match="exists; pass --overwrite"):
+        export_dspark_draft(model, folder)
+    export_dspark_draft(drafter(block_size=3), folder, overwrite=True)
+    assert json.loads((folder / "config.json").read_text())["block_size"] == 3
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match=r"it holds other files \(notes.txt\)"):
+        export_dspark_draft(model, tmp_path / "mine", overwrite=True)
+    with pytest.raises(TypeError, match="export_dspark_draft takes a DSparkDrafter"):
+        export_dspark_draft(torch.nn.Linear(2, 2), tmp_path / "other")
+    data = json.loads((folder / "config.json").read_text())
+    with pytest.raises(ValueError, match="not a DSpark export"):
+        dspark_config_from_json({**data, "architectures": ["Eagle3DeepseekV2ForCausalLM"]})
+    weights = load_file(str(folder / "model.safetensors"))
+    del weights["markov_head.markov_w2.weight"]
+    save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \['markov_head.markov_w2.weight'\]"):
+        load_dspark_export(folder)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"mla_use_nope": True}, r"sets \['mla_use_nope'\]: vLLM's MLA DSpark does not support them"),
+        ({"dspark_bonus_anchor": True}, r"sets \['dspark_bonus_anchor'\]"),
+        ({"draft_vocab_size": 256}, "draft_vocab_size 256 != vocab_size 512"),
+        ({"num_target_layers": 2}, r"num_target_layers 2 != len\(target_layer_ids\) 3"),
+        ({"q_lora_rank": None}, "q_lora_rank is required"),
+        ({"sample_from_anchor": False}, "sample_from_anchor must be true"),
+        ({"target_layer_ids": [], "num_target_layers": 0}, "target_layer_ids must be a non-empty list"),
+    ],
+)
+def test_reader_refuses_what_vllm_refuses(tmp_path, changes, message):
+    data = json.loads((export_dspark_draft(drafter(), tmp_path / "served") / "config.json").read_text())
+    with pytest.raises(ValueError, match=message):
+        dspark_config_from_json({**data, **changes})
