@@ -12,6 +12,7 @@ The format strings are part of every cache on disk: a change to them makes exist
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -29,9 +30,10 @@ from lightning_eagle.data.encoding import DataSummary
 
 log = logging.getLogger(__name__)
 
-# 3: supervision counted after the one-token shift; 4: the summary counts cuts at other max_lengths (data report)
-CACHE_FORMAT = "lightning_eagle.chat_cache/4"
-CHUNK_FORMAT = "lightning_eagle.chat_cache_chunk/3"
+# 3: supervision counted after the one-token shift; 4: the summary counts cuts at other max_lengths (data report);
+# 5: the manifest holds the row file's sha256 and each chunk its tensors' (verified on every read)
+CACHE_FORMAT = "lightning_eagle.chat_cache/5"
+CHUNK_FORMAT = "lightning_eagle.chat_cache_chunk/4"
 
 DATA_FILE = "data.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -77,6 +79,9 @@ class ChunkStore:
                 and meta.get("index") == str(index)
                 and names == {"input_ids", "loss_mask", "lengths", "source_file", "source_line"}
             )
+            if ok and tensors_sha256(safetensors_tensors(path)) != meta.get("sha256"):
+                log.warning("recomputing chat-data chunk %s (its bytes do not match its checksum)", path)
+                return False
             if ok:
                 self.summaries[index] = DataSummary(**json.loads(meta["summary"]))
             return ok
@@ -93,6 +98,7 @@ class ChunkStore:
             "chunk_rows": str(self.chunk_rows),
             "index": str(index),
             "summary": json.dumps(asdict(summary)),
+            "sha256": tensors_sha256(tensors),
         }
         with atomic_file(self.path(index)) as tmp:
             save_file(tensors, str(tmp), metadata=meta)
@@ -115,6 +121,22 @@ class ChunkStore:
             self.directory.parent.rmdir()  # the key folder, when nothing else is in it
         except OSError:
             pass
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """One checksum over named tensors (names, dtypes, shapes and bytes, in name order)."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)};".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def safetensors_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
 
 
 def write_rows_file(path: str | Path, parts: Sequence[Callable[[str], torch.Tensor]], rows: int, tokens: int) -> None:

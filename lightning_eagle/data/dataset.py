@@ -226,6 +226,7 @@ class TokenizedChatDataset(torch.utils.data.Dataset):
             "rows": summary.rows_kept,
             "tokens": summary.tokens,
             "summary": asdict(summary),
+            "data_sha256": file_sha256(directory / DATA_FILE),
         }
         with atomic_file(manifest_path) as tmp:
             tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
@@ -257,6 +258,8 @@ class TokenizedChatDataset(torch.utils.data.Dataset):
             if manifest.get("format") != CACHE_FORMAT or manifest.get("key") != key:
                 return None
             path = directory / DATA_FILE
+            if file_sha256(path) != manifest.get("data_sha256"):  # a damaged cache is rebuilt, never reused
+                raise ValueError(f"{path} does not match the checksum its manifest recorded")
             t = map_safetensors(path, mmap=path.stat().st_size >= MMAP_MIN_BYTES)
             rows, tokens = int(manifest["rows"]), int(manifest["tokens"])
             shapes_ok = (

@@ -34,6 +34,7 @@ import torch
 
 from lightning_eagle.data.dataset import TokenizedChatDataset
 from lightning_eagle.data.formats import iter_rows
+from lightning_eagle.data.render_k3 import ChatFormatError, normalize_arguments
 from lightning_eagle.data.report_cuts import LengthCut, length_cut_lines, length_cuts
 from lightning_eagle.data.report_plot import bin_width, plot_lengths
 from lightning_eagle.data.rows import DataRowError
@@ -75,6 +76,9 @@ class SourceStats:
     roles: dict[str, int]  # messages per role over every parsed source row (refused ones included)
     tool_calls: int  # assistant tool calls over every parsed source row
     rendered_tokens: int = 0  # tokens of the tokenized rows before the cut at max_length
+    # tool calls whose arguments are not a JSON object: K3 renders them as a raw block, and they are supervised
+    invalid_tool_arguments: int = 0
+    invalid_tool_argument_examples: list[str] = field(default_factory=list)  # ``file:line: where``
 
 
 @dataclass
@@ -228,6 +232,8 @@ class DataReport:
             lines.append(_row(f"  {role}", [all_roles.get(role, 0), *[sp.roles.get(role, 0) for sp in splits]]))
         total_calls = sum(src.tool_calls for src in self.sources)
         lines.append(_row("  (assistant tool calls)", [total_calls, *[sp.tool_calls for sp in splits]]))
+        invalid = sum(src.invalid_tool_arguments for src in self.sources)
+        lines.append(_row("  (calls with non-JSON arguments)", [invalid, *["" for _ in splits]]))
 
         lines += [
             "",
@@ -427,6 +433,7 @@ def _count_roles(src: SourceStats, data: TokenizedChatDataset, assign, role_coun
                 here[role if isinstance(role, str) and role else "<no role>"] += 1
                 if isinstance(m, dict) and isinstance(m.get("tool_calls"), list):
                     here_calls += len(m["tool_calls"])
+                    _count_invalid_arguments(src, m["tool_calls"], f"{getattr(item, 'file', f)}:{item.line}")
             roles.update(here)
             calls += here_calls
             split = assign.get((getattr(item, "file", f), getattr(item, "line", -1)))
@@ -542,6 +549,20 @@ def _coverage(counts: dict[str, torch.Tensor], sizes: list[int], configured: int
     return points
 
 
+def _count_invalid_arguments(src: SourceStats, calls: list, where: str) -> None:
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        try:
+            raw = normalize_arguments(arguments, "arguments")[1]
+        except ChatFormatError:
+            raw = arguments
+        if raw is not None:
+            src.invalid_tool_arguments += 1
+            if len(src.invalid_tool_argument_examples) < 5:
+                src.invalid_tool_argument_examples.append(f"{where}: tool_calls[{i}].function.arguments")
+
+
 def _share(counts: torch.Tensor, selected: torch.Tensor) -> float | None:
     total = int(counts.sum())
     return int(counts[selected].sum()) / total if total else None
@@ -565,6 +586,13 @@ def _notes(report: DataReport, dm: ChatDataModule) -> list[str]:
     dropped = sum(s.rows_without_supervision for s in report.sources)
     if dropped:
         notes.append(f"{dropped} row(s) dropped: no supervised token after masking (and truncation)")
+    invalid = sum(s.invalid_tool_arguments for s in report.sources)
+    if invalid:
+        examples = [e for s in report.sources for e in s.invalid_tool_argument_examples][:3]
+        notes.append(
+            f"{invalid} tool call(s) have arguments that are not a JSON object (e.g. {'; '.join(examples)}): K3 "
+            "renders them as a raw block and the draft is trained on them; fix or drop those rows"
+        )
     if report.split("val").rows == 0:
         notes.append("the val split is empty: no validation (set --data.val_fraction or --data.val_files)")
     return notes

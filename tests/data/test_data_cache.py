@@ -149,6 +149,20 @@ def test_corrupt_cache_is_rebuilt(tmp_path, jsonl_writer, k3_tok):
     assert build([path], k3_tok, cache_dir=cache).from_cache
 
 
+def test_a_damaged_cache_that_still_parses_is_rebuilt(tmp_path, jsonl_writer, k3_tok):
+    """Issue 30: one flipped byte in the token data keeps the file readable; the manifest's checksum refuses it."""
+    path = jsonl_writer("a.jsonl", [CHAT, CHAT])
+    cache = tmp_path / "cache"
+    first = build([path], k3_tok, cache_dir=cache)
+    data = cache / first.key / "data.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0x01  # the last loss-mask byte
+    data.write_bytes(bytes(raw))
+    again = build([path], k3_tok, cache_dir=cache)
+    assert not again.from_cache and torch.equal(again.loss_mask, first.loss_mask)
+    assert build([path], k3_tok, cache_dir=cache).from_cache
+
+
 def test_missing_file(tmp_path, k3_tok):
     with pytest.raises(FileNotFoundError, match="not found"):
         build([tmp_path / "missing.jsonl"], k3_tok)

@@ -565,6 +565,38 @@ def test_resume_after_interrupt_reuses_completed_chunks(tmp_path, k3_tok, monkey
     assert not (key_dir / "chunks").exists() and build([path], k3_tok, cache_dir=cache, chunk_rows=5).from_cache
 
 
+def test_a_damaged_chunk_is_recomputed_never_merged(tmp_path, k3_tok, monkeypatch):
+    """Issue 30: a chunk whose bytes changed (header intact, so it still parses) fails its checksum and is encoded
+    again; before, its damaged tokens were merged into the cache and reused."""
+    path = write_jsonl(tmp_path / "c.jsonl", generate_synthetic_corpus(30, seed=2))
+    reference = build([path], k3_tok)
+    cache = tmp_path / "cache"
+    real_call = encoding.RowEncoder.__call__
+    calls = []
+
+    def dying(self, job):
+        calls.append(job.item.line)
+        if len(calls) == 17:
+            raise _Interrupt
+        return real_call(self, job)
+
+    monkeypatch.setattr(encoding.RowEncoder, "__call__", dying)
+    with pytest.raises(_Interrupt):
+        build([path], k3_tok, cache_dir=cache, chunk_rows=5)
+    [chunk] = cache.glob("*/chunks/chunk_000001.safetensors")
+    raw = bytearray(chunk.read_bytes())
+    raw[-1] ^= 0xFF  # the last byte of the last tensor's data
+    chunk.write_bytes(bytes(raw))
+
+    calls.clear()
+    monkeypatch.setattr(
+        encoding.RowEncoder, "__call__", lambda self, job: calls.append(job.item.line) or real_call(self, job)
+    )
+    resumed = build([path], k3_tok, cache_dir=cache, chunk_rows=5)
+    assert calls == [*range(6, 11), *range(16, 31)]  # chunk 1 (rows 6-10) again, chunks 0 and 2 reused
+    assert torch.equal(resumed.input_ids, reference.input_ids) and torch.equal(resumed.loss_mask, reference.loss_mask)
+
+
 def test_bad_row_in_a_later_chunk_leaves_no_chunks(tmp_path, k3_tok):
     rows = generate_synthetic_corpus(12, seed=2) + [{"messages": [{"role": "bot", "content": "x"}]}]
     path = write_jsonl(tmp_path / "c.jsonl", rows)

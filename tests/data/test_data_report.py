@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections import Counter
 from pathlib import Path
@@ -183,6 +184,25 @@ def test_nothing_kept_still_reports(tmp_path):
     assert report.split("train").rows == 0 and report.length_bins == []
     assert all(c.train is None for c in report.coverage)
     assert "no kept rows" in report.to_text() and (tmp_path / "out" / "lengths.png").is_file()
+
+
+def test_tool_calls_with_arguments_that_are_not_json_are_counted_and_named(tmp_path):
+    """Issue 30: such a call is rendered as a raw block and supervised without a word; the report now counts it."""
+    broken = {**TOOL_CALL, "function": {"name": "get_weather", "arguments": '{"city": "Paris"'}}
+    row = json.loads(json.dumps(ROWS[2]))
+    row["messages"][1]["tool_calls"] = [TOOL_CALL, broken]
+    path = _write(tmp_path / "tools.jsonl", [ROWS[2], row, *[_qa(i) for i in range(4)]])
+    report = data_report(_dm(path, tmp_path / "cache"), tmp_path / "out")
+    src = report.source("train_files")
+    assert src.rows_kept == 6 and src.tool_calls == 3  # kept and trained on, as before
+    assert src.invalid_tool_arguments == 1
+    assert src.invalid_tool_argument_examples == [f"{path}:2: tool_calls[1].function.arguments"]
+    text = report.to_text()
+    assert re.search(r"\(calls with non-JSON arguments\)\s+1\b", text), text
+    assert (
+        f"1 tool call(s) have arguments that are not a JSON object (e.g. {path}:2: tool_calls[1].function."
+        "arguments): K3 renders them as a raw block and the draft is trained on them"
+    ) in text
 
 
 def test_val_files_are_their_own_split(chats, tmp_path):
