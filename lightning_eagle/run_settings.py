@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -232,11 +232,30 @@ def refuse_flat_model_keys(model: Mapping[str, Any] | None, where: str) -> None:
                 )
 
 
+# What draft sequence parallelism does not combine with: (setting, whether it is set, why, what to use instead). The
+# one table the module's setup and the memory plan both read (through check_draft_sequence_parallel); the README's
+# promises name these rows.
+SEQUENCE_PARALLEL_REFUSALS: tuple[tuple[str, Callable[[DraftSettings, str, str], bool], str], ...] = (
+    ("model.draft.ttt_kv_cache='latent'", lambda draft, source, stage: draft.ttt_kv_cache == "latent",
+     "the latent cache has one shared head, which Ulysses cannot split over the group; use "
+     "model.draft.ttt_kv_cache='expanded'"),
+    ("model.draft.shard=true", lambda draft, source, stage: bool(draft.shard),
+     "the SP gradient reduction of an FSDP2-sharded draft is untested; use model.draft.shard=false (the replicated "
+     "draft) with sequence parallelism"),
+    ("model.target.source='features'", lambda draft, source, stage: source != "online",
+     "the feature data module is not known to give the ranks of a sequence-parallel group the same rows; use "
+     "model.target.source='online'"),
+    ("predict", lambda draft, source, stage: stage == "predict",
+     "predict returns whole-sequence [K,B,T] proposals and a sequence-parallel rank has only its slots; predict with "
+     "draft_sequence_parallel_size=1"),
+)  # fmt: skip
+
+
 def check_draft_sequence_parallel(
     size: int, *, num_attention_heads: int, draft: DraftSettings, target_source: str, stage: str = "fit"
 ) -> None:
-    """What training refuses with ``draft_sequence_parallel_size > 1``, named by setting, before any weight is read:
-    the module's ``setup`` and the memory plan call this one check."""
+    """What training refuses with ``draft_sequence_parallel_size > 1`` (:data:`SEQUENCE_PARALLEL_REFUSALS`), named by
+    setting, before any weight is read: the module's ``setup`` and the memory plan call this one check."""
     if size == 1:
         return
     setting = f"trainer.strategy.init_args.draft_sequence_parallel_size={size}"
@@ -246,26 +265,9 @@ def check_draft_sequence_parallel(
             "attention gives every rank of the group num_attention_heads / draft_sequence_parallel_size heads over "
             "the whole sequence"
         )
-    if draft.ttt_kv_cache == "latent":
-        raise ValueError(
-            f"{setting} with model.draft.ttt_kv_cache='latent' is not supported: the latent cache has one shared "
-            "head, which Ulysses cannot split over the group; use model.draft.ttt_kv_cache='expanded'"
-        )
-    if draft.shard:
-        raise ValueError(
-            f"{setting} with model.draft.shard=true is not supported: the SP gradient reduction of an FSDP2-sharded "
-            "draft is untested; use model.draft.shard=false (the replicated draft) with sequence parallelism"
-        )
-    if target_source != "online":
-        raise ValueError(
-            f"{setting} with model.target.source={target_source!r} is not supported: the feature data module is not "
-            "known to give the ranks of a sequence-parallel group the same rows; use model.target.source='online'"
-        )
-    if stage == "predict":
-        raise ValueError(
-            f"{setting}: predict returns whole-sequence [K,B,T] proposals and a sequence-parallel rank has only its "
-            "slots; predict with draft_sequence_parallel_size=1"
-        )
+    for name, applies, why in SEQUENCE_PARALLEL_REFUSALS:
+        if applies(draft, target_source, stage):
+            raise ValueError(f"{setting} with {name} is not supported: {why}")
 
 
 def as_settings(group: str, value: Any):

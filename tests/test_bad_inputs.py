@@ -398,6 +398,9 @@ def test_draft_export(tmp_path, draft_export, edit, entry, exc, fragments):
 FIT = ["fit", "--config", "$quickstart", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0",
        "--trainer.default_root_dir", "$root", "--data.train_files", "$rows", "--data.use_cache", "false"]  # fmt: skip
 
+DUMP = ["dump", "--config", "$quickstart", "--trainer.default_root_dir", "$root", "--data.train_files", "$rows",
+        "--data.use_cache", "false"]  # fmt: skip
+
 CLI_CASES = [
     pytest.param([*FIT, "--config", "$bad_yaml"], 2,
                  ["Subcommand 'fit' does not accept option 'model.not_a_key'"], id="yaml-unknown-key"),
@@ -512,6 +515,25 @@ CLI_CASES = [
     pytest.param(["data-report", "--config", "$quickstart", "--data.train_files", "$rows", "--data.val_files", "$rows",
                   "--out", "$tmp/report"], 1,
                  ["error: data.val_files ['$rows'] are also training files"], id="data-report-val-is-train"),
+    # dump writes only into a new/empty folder or a previous dump (before: into a user's files or checkpoints/)
+    pytest.param([*DUMP,
+                  "--out", "$existing"], 1,
+                 ["error: refusing to dump into $existing: it holds files a dump did not write (keep.txt); a dump "
+                  "goes into a new or empty folder or a previous dump of the same features: pass another --out"],
+                 id="dump-into-a-user-folder"),
+    pytest.param([*DUMP,
+                  "--out", "$inputs"], 1,
+                 ["error: refusing to dump into $inputs: it holds files a dump did not write (bad.jsonl, bad.yaml, "
+                  "existing, first_only.jsonl, last.ckpt"], id="dump-into-a-checkpoint-folder"),
+    # every setting named as the user typed it (before: the bare field name, or a union's type error first)
+    pytest.param([*FIT, "--trainer.strategy", "lightning_eagle.parallel.ExpertParallelStrategy",
+                  "--trainer.strategy.draft_sequence_parallel_size", "0"], 1,
+                 ["error: trainer.strategy.draft_sequence_parallel_size must be a positive int, got 0\n"],
+                 id="zero-draft-sequence-parallel"),
+    pytest.param([*DUMP,
+                  "--model.target.token_chunk", "0", "--out", "$tmp/features"], 1,
+                 ["error: model.target.token_chunk must be a positive int (tokens per segment) or None (unchunked), "
+                  "got 0"], id="dump-zero-token-chunk"),
     pytest.param(["memory-plan", "--config", "kimi_k3_eagle3", "--target-config", "k33"], 2,
                  ["error: --target-config: 'k33' is neither a preset (k3, k3-tiny"], id="plan-unknown-preset"),
 ]  # fmt: skip
@@ -549,7 +571,7 @@ def test_cli(tmp_path, chat_rows, trained_ckpt, monkeypatch, capsys, argv, statu
     assert re.search(pattern(fill(fragments, **paths)), err[err.index("error:") :]), err
     assert exit_info.value.code == status, err
     assert not (root / "checkpoints").exists() and not (root / "draft").exists()
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "features").exists()
     after = snapshot(tmp_path)
     assert {k for k in before if after.get(k) != before[k]} == set(), "an input file changed or vanished"
     # LightningCLI's CSV logger may create <root>/logs/version_N (and save config.yaml there), a fit claims <root>
@@ -832,3 +854,13 @@ def test_a_file_size_limit_is_named_with_the_file_and_nothing_is_left_half_writt
     assert errors[0].endswith("nothing was written under that name")
     assert not written.exists()
     assert not [p for p in tmp_path.rglob("*.partial")], sorted(tmp_path.rglob("*.partial"))
+
+
+def test_the_memory_plan_answers_an_absurd_max_length_at_once(tmp_path, capsys):
+    """Before: ``data.max_length: 1000000000`` hung with no output in the smallest-layout search."""
+    config = tmp_path / "huge.yaml"
+    config.write_text(re.sub(r"max_length: \d+", "max_length: 1000000000",
+                             (LIBRARY / "configs" / "kimi_k3_eagle3.yaml").read_text()))  # fmt: skip
+    main(["memory-plan", "--config", str(config), "--target-config", "k3"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("does not fit: peak ") and "no layout up to 256 nodes x 8 GPUs fits" in last, last

@@ -19,7 +19,7 @@ OK = {"num_attention_heads": 4, "draft": DraftSettings(), "target_source": "onli
         ({"draft": DraftSettings(shard=True)}, SETTING + " with model.draft.shard=true is not supported"),
         ({"draft": DraftSettings(ttt_kv_cache="latent")}, SETTING + " with model.draft.ttt_kv_cache='latent'"),
         ({"target_source": "features"}, SETTING + " with model.target.source='features' is not supported"),
-        ({"stage": "predict"}, SETTING + ": predict returns whole-sequence"),
+        ({"stage": "predict"}, SETTING + " with predict is not supported: predict returns whole-sequence"),
         ({"num_attention_heads": 3}, SETTING + " must divide the draft's num_attention_heads"),
     ],
 )
