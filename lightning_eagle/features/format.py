@@ -55,7 +55,7 @@ def foreign_entries(folder: Path) -> list[str]:
     if not folder.is_dir():
         return []
     ours = {PLAN_NAME, MANIFEST_NAME, VOCAB_MAP_NAME, Path(VOCAB_MAP_NAME).with_suffix(".json").name, PROMPTS_NAME}
-    shard = re.compile(r"shard-\d{5}\.safetensors$")
+    shard = re.compile(r"shard-\d{5}\.(safetensors|json)$")
     return sorted(
         p.name
         for p in folder.iterdir()
