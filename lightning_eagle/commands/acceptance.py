@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--context-lengths", default=None, help="e.g. 1k,4k,16k: mean acceptance length on prompts of these lengths"
     )
     parser.add_argument("--context-prompts", type=int, default=2, help="prompts per context length (default 2)")
+    parser.add_argument(
+        "--allow-extrapolation", action="store_true",
+        help="measure context lengths beyond the target's max_position_embeddings (K3 reads no positions)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="folder for acceptance.json / acceptance.png (default: beside "
                         "the draft, <draft>/../acceptance)")  # fmt: skip
     parser.add_argument("--target", required=True, help="K3 checkpoint directory or 'quickstart'")
@@ -132,8 +136,12 @@ def _report(args: argparse.Namespace) -> None:
         return
     limit = getattr(target.config, "max_position_embeddings", None)
     too_long = [n for n in lengths or () if limit is not None and n > limit]
-    if too_long:
-        raise ValueError(f"--context-lengths {too_long} exceed the target's max_position_embeddings {limit}")
+    if too_long and not args.allow_extrapolation:
+        raise ValueError(
+            f"--context-lengths {too_long} exceed the target's max_position_embeddings {limit}: K3's layers (KDA, NoPE "
+            "MLA) read no positions, so they would run, but beyond the length the target was declared for; add "
+            "--allow-extrapolation to measure them anyway"
+        )
     _card_report(args, target, draft, family, sets if names is not None else [], lengths or [])
 
 
@@ -191,7 +199,9 @@ def _card_report(args: argparse.Namespace, target, draft, family: str, sets, len
             target, draft, prompts, compare_plain=False, warmup=False, num_prompts=len(prompts), **decoding
         )
         label = f"{length // 1024}k" if length % 1024 == 0 else str(length)
-        context[label] = {**set_summary(report), "context_length": length}
+        limit = getattr(target.config, "max_position_embeddings", None)
+        beyond = limit is not None and length > limit
+        context[label] = {**set_summary(report), "context_length": length, "beyond_max_position": beyond}
     setting = (f"{family} draft, K {args.num_draft_tokens}, temperature {args.temperature}, top-p {args.top_p}, "
                f"max {args.max_new_tokens} new tokens per turn")  # fmt: skip
     print(f"acceptance ({setting})\n")
