@@ -130,10 +130,6 @@ def _report(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     target = KimiK3ForCausalLM.from_pretrained(named_target(args.target), dtype=dtype, device=args.device)
-    family, draft = load_draft(args.draft, target, dtype, args.device)
-    if names is None and lengths is None:
-        _chat_report(args, target, draft)
-        return
     limit = getattr(target.config, "max_position_embeddings", None)
     too_long = [n for n in lengths or () if limit is not None and n > limit]
     if too_long and not args.allow_extrapolation:
@@ -142,6 +138,10 @@ def _report(args: argparse.Namespace) -> None:
             "MLA) read no positions, so they would run, but beyond the length the target was declared for; add "
             "--allow-extrapolation to measure them anyway"
         )
+    family, draft = load_draft(args.draft, target, dtype, args.device)
+    if names is None and lengths is None:
+        _chat_report(args, target, draft)
+        return
     _card_report(args, target, draft, family, sets if names is not None else [], lengths or [])
 
 

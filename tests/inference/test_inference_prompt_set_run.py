@@ -188,3 +188,38 @@ def test_callback_logs_a_sets_card_numbers(tmp_path):
     assert trainer.callback_metrics["val/tau_real"].item() == pytest.approx(summary["mean_acceptance_length"])
     with pytest.raises(ValueError, match="unknown prompt set"):
         AcceptanceCallback(benchmark="nope")
+
+
+@pytest.mark.slow
+def test_context_length_curve_to_16k_on_the_bundled_target(tmp_path, monkeypatch, capsys):
+    """The curve runs to 16K on the bundled target (declared for 4096: extrapolation asked for), every prefill forward
+    at most DEFAULT_PREFILL_CHUNK tokens (no [L, L] tensor); one prompt and four new tokens per length."""
+    from lightning_eagle.commands.cli import main
+    from lightning_eagle.draft.export import export_draft
+    from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, IncrementalTarget
+    from lightning_eagle.k3 import KimiK3ForCausalLM
+    from lightning_eagle.k3.loader import named_target
+
+    target = KimiK3ForCausalLM.from_pretrained(named_target("quickstart"))
+    draft_dir = export_draft(draft_for_target(target, draft_vocab_size=320, seed=8), tmp_path / "draft")
+    chunks = []
+    real = IncrementalTarget.prefill_chunk
+
+    def recording(self, input_ids, start, return_logits=False):
+        chunks.append(input_ids.shape[1])
+        return real(self, input_ids, start, return_logits)
+
+    monkeypatch.setattr(IncrementalTarget, "prefill_chunk", recording)
+    main(["acceptance", "--target", "quickstart", "--draft", str(draft_dir), "--context-lengths", "1k,4k,16k",
+          "--allow-extrapolation", "--context-prompts", "1", "--max-new-tokens", "4", "--num-draft-tokens", "3",
+          "--out", str(tmp_path / "out")])  # fmt: skip
+    record = json.loads((tmp_path / "out" / "acceptance.json").read_text())
+    curve = record["context_lengths"]
+    assert [c["context_length"] for c in curve.values()] == [1024, 4096, 16384]
+    assert [c["beyond_max_position"] for c in curve.values()] == [False, False, True]
+    for c in curve.values():
+        assert c["context_length"] - 2 * prompt_set_run.CONTEXT_LENGTH_SLACK < c["prompt_tokens"] <= c["context_length"]
+        assert 1 <= c["mean_acceptance_length"] <= 4
+    assert max(chunks) <= DEFAULT_PREFILL_CHUNK and sum(chunks) >= sum(c["prompt_tokens"] for c in curve.values())
+    assert "| 16k |" in capsys.readouterr().out
+    assert (tmp_path / "out" / "acceptance.png").is_file()
