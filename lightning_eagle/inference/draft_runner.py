@@ -27,9 +27,9 @@ last slot n−1 at n−1+j — the TTT convention ``t + k`` (:mod:`lightning_eag
 rotated, so a cached key never needs its position again.
 
 Extension point: any object with ``reset()``, ``extend(aux, next_ids)`` and ``propose(num_tokens, temperature,
-generator)`` returning a :class:`DraftProposal` can drive :func:`~lightning_eagle.inference.speculative_generate`
-(e.g. a tree drafter would return the best chain of its tree, or a future tree-verification loop would consume a
-richer proposal).
+generator, top_p)`` returning a :class:`DraftProposal` (``probs``: the law each token was drawn from, its top-p
+nucleus included) can drive :func:`~lightning_eagle.inference.speculative_generate` (e.g. a tree drafter would
+return the best chain of its tree, or a future tree-verification loop would consume a richer proposal).
 """
 
 from __future__ import annotations
