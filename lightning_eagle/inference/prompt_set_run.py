@@ -6,9 +6,9 @@ answer back into the assistant message, thinking included), then decoded by spec
 rounds of every turn pool into one :class:`~lightning_eagle.inference.acceptance.AcceptanceReport`; its numbers
 (:func:`set_summary`) are what the command's table, JSON and plot and the callback's ``val/…`` metrics all show.
 
-The same recipe measures acceptance against context length (:func:`context_length_prompts`): for each length L, chats
-of the bundled synthetic corpus strung into one conversation (:func:`~lightning_eagle.data.long_corpus.
-generate_long_corpus`, rendered length in ``[L − 512, L]``) and cut before their last assistant turn.
+Acceptance against context length uses generated long prompts (:func:`context_length_prompts`), the recipe: for
+each length L, chats of the bundled synthetic corpus strung into one conversation rendering to ``[L − 512, L]``
+tokens (``lightning_eagle.data.long_corpus``), cut before its last assistant turn.
 """
 
 from __future__ import annotations
@@ -55,29 +55,33 @@ def evaluate_prompt_set(
 
     options = {"thinking": True, "thinking_effort": None, **(render_options or {})}
     eos = getattr(target.config, "eos_token_id", None)
-    stop = [] if eos is None else [eos]
+    common = {"stop_token_ids": [] if eos is None else [eos], "prefill_chunk": prefill_chunk, "top_p": top_p}
     vocab = target.config.vocab_size
     outputs: list[tuple[int, SpeculativeOutput]] = []
-    for conversation in prompt_set.conversations:
-        messages: list[dict[str, Any]] = []
-        for turn in conversation:
-            messages.append({"role": "user", "content": turn})
-            prompt = render_k3_chat(messages, tokenizer, add_generation_prompt=True, **options)
-            if max(prompt) >= vocab:
-                raise ValueError(
-                    f"prompt token id {max(prompt)} >= target vocab_size {vocab}: tokenizer and target differ"
+    was_training = bool(getattr(draft, "training", False))
+    if was_training:  # a draft in training (the callback's) decodes in eval mode and goes back after
+        draft.eval()
+    try:
+        for conversation in prompt_set.conversations:
+            messages: list[dict[str, Any]] = []
+            for turn in conversation:
+                messages.append({"role": "user", "content": turn})
+                prompt = render_k3_chat(messages, tokenizer, add_generation_prompt=True, **options)
+                if max(prompt) >= vocab:
+                    raise ValueError(f"prompt token id {max(prompt)} >= target vocab_size {vocab}: tokenizer and "
+                                     "target differ")  # fmt: skip
+                out = speculative_generate(target, draft, prompt, max_new_tokens, num_draft_tokens, temperature,
+                                           seed + len(outputs), aux_layer_ids, **common)  # fmt: skip
+                outputs.append((len(prompt), out))
+                answer = split_k3_response(out.tokens, tokenizer, options["thinking"])
+                messages.append(
+                    {"role": "assistant", "content": answer.content, "reasoning_content": answer.reasoning_content}
                 )
-            out = speculative_generate(
-                target, draft, prompt, max_new_tokens, num_draft_tokens, temperature, seed + len(outputs),
-                aux_layer_ids, stop_token_ids=stop, prefill_chunk=prefill_chunk, top_p=top_p,
-            )  # fmt: skip
-            outputs.append((len(prompt), out))
-            answer = split_k3_response(out.tokens, tokenizer, options["thinking"])
-            messages.append(
-                {"role": "assistant", "content": answer.content, "reasoning_content": answer.reasoning_content}
-            )
-            if on_turn is not None:
-                on_turn()
+                if on_turn is not None:
+                    on_turn()
+    finally:
+        if was_training:
+            draft.train()
     return AcceptanceReport.pooled(
         outputs,
         num_prompts=len(prompt_set.conversations),
