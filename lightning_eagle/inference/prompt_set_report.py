@@ -51,8 +51,9 @@ def write_json(report: dict[str, Any], path: str | Path) -> Path:
 def plot_acceptance(
     sets: dict[str, dict[str, Any]], context: dict[str, dict[str, Any]], path: str | Path, caption: str = ""
 ) -> Path:
-    """``path`` (PNG): grouped bars of P(draft j | 1..j−1 accepted) per position, one colour per set; a second panel
-    with the mean acceptance length against context length when ``context`` (length label → summary) is given."""
+    """``path`` (PNG): grouped bars of P(draft j | 1..j−1 accepted) per position, one colour per set (per context
+    length when no set was run); a second panel with the mean acceptance length against context length when
+    ``context`` (length label → summary) is given."""
     import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg, without pyplot's global state
     from matplotlib.figure import Figure
@@ -62,6 +63,7 @@ def plot_acceptance(
     FigureCanvasAgg(fig)
     axes = np.atleast_1d(fig.subplots(1, panels))
     ax = axes[0]
+    sets = sets or context
     K = max((len(s["acceptance_per_position"]) for s in sets.values()), default=0)
     width = 0.8 / max(len(sets), 1)
     for i, (name, s) in enumerate(sets.items()):
