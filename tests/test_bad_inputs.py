@@ -708,6 +708,7 @@ def test_validation_files_that_are_training_files_are_refused(tmp_path, chat_row
         (["--context-lengths", "4k,lots"], "error: --context-lengths: 'lots' is not a length above 512 tokens"),
         (["--benchmarks", "gsm8k"], "error: unknown prompt set 'gsm8k': the standard sets are mt_bench, humaneval"),
         (["--benchmarks", " , "], "error: --benchmarks names no prompt set"),
+        (["--benchmarks", "humaneval,humaneval"], "error: --benchmarks names the set(s) ['humaneval'] more than once"),
     ],
 )
 def test_acceptance_flags_are_refused_by_name(flags, message):

@@ -126,6 +126,11 @@ def _report(args: argparse.Namespace) -> None:
         from lightning_eagle.data.prompt_sets import load_prompt_set
 
         sets = [load_prompt_set(n, args.max_prompts) for n in names]
+        twice = sorted({s.name for s in sets if [t.name for t in sets].count(s.name) > 1})
+        if twice:  # each set is one row of the table and one key of the JSON
+            raise ValueError(
+                f"--benchmarks names the set(s) {twice} more than once (a file's set is named by its stem)"
+            )
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
