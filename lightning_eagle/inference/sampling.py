@@ -33,11 +33,11 @@ def check_top_p(top_p: float) -> float:
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """``probs [..., V]`` restricted to each row's nucleus and renormalised: the most likely tokens are kept while the
-    mass of the tokens more likely than them is below ``top_p`` (so the most likely is always kept; ties keep sort
-    order). ``top_p = 1`` returns ``probs`` unchanged."""
+    mass of the tokens more likely than them is below ``top_p`` (so the most likely is always kept; of tied tokens the
+    lower id comes first). ``top_p = 1`` returns ``probs`` unchanged."""
     if check_top_p(top_p) >= 1.0:
         return probs
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties: the lower id first
     before = torch.cumsum(sorted_probs, -1) - sorted_probs  # mass of the more likely tokens
     kept = torch.zeros_like(probs).scatter(-1, order, (before < top_p).to(probs.dtype))
     truncated = probs * kept
