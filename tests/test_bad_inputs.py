@@ -755,6 +755,14 @@ def test_validation_files_that_are_training_files_are_refused(tmp_path, chat_row
         (["--num-draft-tokens", "0"], "error: --num-draft-tokens must be an integer > 0, got 0"),
         (["--max-new-tokens", "-1"], "error: --max-new-tokens must be an integer > 0, got -1"),
         (["--temperature", "-0.5"], "error: --temperature must be >= 0, got -0.5"),
+        (["--top-p", "0"], "error: --top-p must be > 0, got 0.0"),
+        (["--top-p", "1.5"], "error: --top-p must be in (0, 1] (1 = no nucleus truncation), got 1.5"),
+        (["--max-prompts", "0"], "error: --max-prompts must be an integer > 0, got 0"),
+        (["--context-prompts", "0"], "error: --context-prompts must be an integer > 0, got 0"),
+        (["--context-lengths", "4k,lots"], "error: --context-lengths: 'lots' is not a length above 512 tokens"),
+        (["--benchmarks", "gsm8k"], "error: unknown prompt set 'gsm8k': the standard sets are mt_bench, humaneval"),
+        (["--benchmarks", " , "], "error: --benchmarks names no prompt set"),
+        (["--benchmarks", "humaneval,humaneval"], "error: --benchmarks names the set(s) ['humaneval'] more than once"),
     ],
 )
 def test_acceptance_flags_are_refused_by_name(flags, message):
@@ -763,7 +771,26 @@ def test_acceptance_flags_are_refused_by_name(flags, message):
 
     with pytest.raises(SystemExit) as exit_info:
         acceptance_main(["--target", "quickstart", "--draft", "unused", *flags])
-    assert str(exit_info.value.code) == message
+    assert str(exit_info.value.code).startswith(message)
+
+
+def test_acceptance_context_beyond_the_targets_declared_length_is_refused(tmp_path):
+    """The bundled target declares max_position_embeddings 4096: 8k is refused unless extrapolation is asked for."""
+    from lightning_eagle.commands.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["acceptance", "--target", "quickstart", "--draft", "runs/none", "--context-lengths", "1k,8k"])
+    assert str(exit_info.value.code).startswith(
+        "error: --context-lengths [8192] exceed the target's max_position_embeddings 4096"
+    ) and str(exit_info.value.code).endswith("add --allow-extrapolation to measure them anyway")
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text('{"architectures": ["SomethingElse"]}')
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["acceptance", "--target", "quickstart", "--draft", str(draft), "--context-lengths", "1k"])
+    assert "no draft family recognise architectures=['SomethingElse']; known families: eagle3" in str(
+        exit_info.value.code
+    )
 
 
 def test_acceptance_refusals_are_one_line(tmp_path):

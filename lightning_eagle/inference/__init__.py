@@ -1,6 +1,7 @@
 """Speculative-decoding inference for K3 EAGLE-3 drafts: incremental target, draft runner, lossless loop, acceptance.
 
-Public API (stable): :func:`speculative_generate`, :func:`evaluate_acceptance`. Building blocks for notebooks and
+Public API (stable): :func:`speculative_generate`, :func:`evaluate_acceptance`, :func:`evaluate_prompt_set` (a
+standard prompt set decoded turn by turn). Building blocks for notebooks and
 research: :class:`IncrementalTarget` (prefill/extend/rollback), :class:`DraftRunner`, :func:`plain_generate`,
 :class:`AcceptanceReport`; the Lightning :class:`AcceptanceCallback` (logs ``val/tau_real``). Every name is
 imported on first use.
@@ -22,6 +23,7 @@ _EXPORTS = {
     "IncrementalTarget": "lightning_eagle.inference.incremental_target",
     "TargetStep": "lightning_eagle.inference.incremental_target",
     "PlainOutput": "lightning_eagle.inference.plain",
+    "evaluate_prompt_set": "lightning_eagle.inference.prompt_set_run",
     "plain_generate": "lightning_eagle.inference.plain",
     "SpeculativeOutput": "lightning_eagle.inference.speculative",
     "speculative_generate": "lightning_eagle.inference.speculative",
@@ -36,6 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover — what IDEs and type checkers see; keep 
     from lightning_eagle.inference.draft_runner import DraftProposal, DraftRunner
     from lightning_eagle.inference.incremental_target import IncrementalTarget, TargetStep
     from lightning_eagle.inference.plain import PlainOutput, plain_generate
+    from lightning_eagle.inference.prompt_set_run import evaluate_prompt_set
     from lightning_eagle.inference.speculative import SpeculativeOutput, speculative_generate
 
 

@@ -37,7 +37,12 @@ import torch
 from lightning_eagle.data.prompts import resolve_prompts
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from lightning_eagle.inference.plain import plain_generate
-from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS, VerificationRounds, speculative_generate
+from lightning_eagle.inference.speculative import (
+    DEFAULT_NUM_DRAFT_TOKENS,
+    SpeculativeOutput,
+    VerificationRounds,
+    speculative_generate,
+)
 from lightning_eagle.settings import check_positive_int_or_none
 
 log = logging.getLogger(__name__)
@@ -61,6 +66,24 @@ class AcceptanceReport(VerificationRounds):
     plain_seconds: float | None = None
     plain_target_forwards: int | None = None
     greedy_mismatches: int | None = None
+    top_p: float = 1.0
+    prompt_tokens: int = 0  # tokens of every prompt decoded (each turn's rendered conversation, for multi-turn sets)
+    num_turns: int = 0  # prompts decoded: num_prompts, or more for multi-turn sets (one per user turn)
+
+    @classmethod
+    def pooled(cls, outputs: list[tuple[int, SpeculativeOutput]], **settings: Any) -> AcceptanceReport:
+        """The speculative side of a report from ``(prompt length, output)`` pairs; ``settings``: the other fields."""
+        return cls(
+            accepted_per_round=[a for _, out in outputs for a in out.accepted_per_round],
+            spec_tokens=sum(len(out.tokens) for _, out in outputs),
+            spec_seconds=sum(out.seconds for _, out in outputs),
+            spec_target_seconds=sum(out.target_seconds for _, out in outputs),
+            spec_draft_seconds=sum(out.draft_seconds for _, out in outputs),
+            spec_target_forwards=sum(out.target_forwards for _, out in outputs),
+            prompt_tokens=sum(length for length, _ in outputs),
+            num_turns=len(outputs),
+            **settings,
+        )
 
     @property
     def acceptance_at_least(self) -> list[float]:
@@ -131,7 +154,7 @@ class AcceptanceReport(VerificationRounds):
 
         lines = [
             f"prompts {self.num_prompts}, rounds {self.num_rounds}, K {self.num_draft_tokens}, "
-            f"temperature {self.temperature}, max_new_tokens {self.max_new_tokens}",
+            f"temperature {self.temperature}, top_p {self.top_p}, max_new_tokens {self.max_new_tokens}",
             f"tau_real (tokens per target forward)   {fmt(self.tau)}",
             "P(accept draft j | 1..j-1 accepted)    " + " ".join(fmt(r) for r in self.acceptance_per_position),
             "P(accepted >= j)                       " + " ".join(fmt(r) for r in self.acceptance_at_least),
@@ -198,6 +221,7 @@ def evaluate_acceptance(
     thinking_effort: str | None = None,
     max_prompt_tokens: int | None = None,
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+    top_p: float = 1.0,
 ) -> AcceptanceReport:
     """Speculative decoding over held-out prompts → :class:`AcceptanceReport` (see the module docstring).
 
@@ -217,6 +241,7 @@ def evaluate_acceptance(
             its length in both decodings; raises when no prompt fits.
         prefill_chunk: prompt tokens per prefill forward (None = the whole prompt in one forward; memory then has
             ``[T,T]`` transients wherever an eager attention core runs).
+        top_p: at temperature > 0, both decodings sample the target's top-p nucleus (lossless w.r.t. it).
     """
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
         # None once meant "the draft config's ttt_steps"; the draft config now records only the architecture.
@@ -245,26 +270,20 @@ def evaluate_acceptance(
     was_training = draft.training if hasattr(draft, "training") else False
     if hasattr(draft, "eval"):
         draft.eval()
-    common = {"stop_token_ids": stop_token_ids, "prefill_chunk": prefill_chunk}
+    common = {"stop_token_ids": stop_token_ids, "prefill_chunk": prefill_chunk, "top_p": top_p}
     try:
         if warmup:
             speculative_generate(target, draft, prompts[0], 4, K, temperature, seed, aux_layer_ids, **common)
             if compare_plain:
                 plain_generate(target, prompts[0], 4, temperature, seed, **common)
-        accepted: list[int] = []
-        spec = {"tokens": 0, "seconds": 0.0, "target": 0.0, "draft": 0.0, "forwards": 0}
+        outputs: list[tuple[int, SpeculativeOutput]] = []
         plain = {"tokens": 0, "seconds": 0.0, "forwards": 0}
         mismatches = 0
         for i, prompt in enumerate(prompts):
             out = speculative_generate(
                 target, draft, prompt, max_new_tokens, K, temperature, seed + i, aux_layer_ids, **common
             )
-            accepted += out.accepted_per_round
-            spec["tokens"] += len(out.tokens)
-            spec["seconds"] += out.seconds
-            spec["target"] += out.target_seconds
-            spec["draft"] += out.draft_seconds
-            spec["forwards"] += out.target_forwards
+            outputs.append((len(prompt), out))
             if compare_plain:
                 ref = plain_generate(target, prompt, max_new_tokens, temperature, seed + i, **common)
                 plain["tokens"] += len(ref.tokens)
@@ -274,17 +293,13 @@ def evaluate_acceptance(
     finally:
         if was_training:
             draft.train()
-    return AcceptanceReport(
+    return AcceptanceReport.pooled(
+        outputs,
         num_prompts=len(prompts),
         num_draft_tokens=K,
         temperature=temperature,
+        top_p=top_p,
         max_new_tokens=max_new_tokens,
-        accepted_per_round=accepted,
-        spec_tokens=spec["tokens"],
-        spec_seconds=spec["seconds"],
-        spec_target_seconds=spec["target"],
-        spec_draft_seconds=spec["draft"],
-        spec_target_forwards=spec["forwards"],
         plain_tokens=plain["tokens"] if compare_plain else None,
         plain_seconds=plain["seconds"] if compare_plain else None,
         plain_target_forwards=plain["forwards"] if compare_plain else None,

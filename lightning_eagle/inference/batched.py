@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk, chunk_bounds
-from lightning_eagle.inference.sampling import pick_token, target_probs
+from lightning_eagle.inference.sampling import check_top_p, pick_token
 from lightning_eagle.inference.speculative import make_generator
 from lightning_eagle.inference.target_cache import KDALayerCache, MLALayerCache, kda_extend
 from lightning_eagle.ops.mla import causal_allowed_mask
@@ -186,17 +186,11 @@ def batched_step(
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
     """The next token from one logits row: argmax at temperature 0; else a sample from
     ``softmax(logits / temperature)`` restricted to the smallest set of tokens whose mass reaches ``top_p``
-    (nucleus sampling; ``top_p >= 1`` is exactly :func:`~lightning_eagle.inference.sampling.pick_token`)."""
+    (:func:`~lightning_eagle.inference.sampling.nucleus`; ``top_p >= 1`` is exactly
+    :func:`~lightning_eagle.inference.sampling.pick_token`)."""
     if temperature <= 0 or top_p >= 1.0:
         return pick_token(logits, temperature, generator)
-    if not 0.0 < top_p:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    probs = target_probs(logits, temperature)
-    sorted_probs, order = torch.sort(probs, descending=True)
-    before = torch.cumsum(sorted_probs, 0) - sorted_probs  # mass of the more likely tokens
-    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)  # the first token is always kept
-    choice = int(torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)[0])
-    return int(order[choice])
+    return pick_token(logits, temperature, generator, check_top_p(top_p))
 
 
 # ---- continuous batching ---------------------------------------------------------------------------------------------

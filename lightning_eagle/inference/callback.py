@@ -11,6 +11,13 @@ are skipped, because every validation run pays one target prefill per prompt and
 prefilled ``prefill_chunk`` tokens per forward (memory linear in the prompt). ``max_prompt_tokens: null`` takes
 every validation prompt up to the data module's ``max_length``.
 
+A standard prompt set instead (``benchmark: mt_bench``, or a JSONL set; :mod:`lightning_eagle.data.prompt_sets`):
+its first ``num_prompts`` conversations are decoded turn by turn as the ``acceptance`` command does
+(:func:`~lightning_eagle.inference.prompt_set_run.evaluate_prompt_set`, the data module's tokenizer and render
+options, ``temperature`` / ``top_p``), and the command's numbers are logged as ``val/<set>/mean_acceptance_length``,
+``val/<set>/draft_acceptance_rate``, ``val/<set>/accept_{k}`` and ``val/<set>/{draft,target}_seconds`` next to
+``val/tau_real``.
+
 Runs on global rank 0 only, except when the target's experts are sharded over ranks (expert parallelism): then every
 rank must take part in every target forward, so all ranks decode the same prompts and rank 0 logs.
 
@@ -31,9 +38,13 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from lightning_eagle.data.prompt_sets import load_prompt_set
 from lightning_eagle.data.prompts import prompts_from_datamodule
+from lightning_eagle.data.tokenizer_choice import resolve_tokenizer
 from lightning_eagle.inference.acceptance import capped_prompts, check_max_prompt_tokens, evaluate_acceptance
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
+from lightning_eagle.inference.prompt_set_run import evaluate_prompt_set, set_summary, summary_metrics
+from lightning_eagle.inference.sampling import check_top_p
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +102,8 @@ class AcceptanceCallback(pl.Callback):
     max_prompt_tokens: prompts longer than this are skipped (default 4096, see the module docstring); None = the
         data module's ``max_length`` (validation rows) or no cap (``prompts_file``, dumped features' prompts).
     prefill_chunk: prompt tokens per prefill forward (default 2048; None = the whole prompt in one forward).
+    benchmark: a standard prompt set or a JSONL set to decode instead of held-out prompts (module docstring).
+    top_p: the nucleus of target and draft at temperature > 0 (1 = off).
     """
 
     def __init__(
@@ -106,6 +119,8 @@ class AcceptanceCallback(pl.Callback):
         target: str | None = None,
         max_prompt_tokens: int | None = DEFAULT_CALLBACK_PROMPT_TOKENS,
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+        benchmark: str | None = None,
+        top_p: float = 1.0,
     ) -> None:
         if every_n_epochs < 1 or num_prompts < 1 or max_new_tokens < 1:
             raise ValueError("every_n_epochs, num_prompts and max_new_tokens must be >= 1")
@@ -117,6 +132,9 @@ class AcceptanceCallback(pl.Callback):
         self._prompts: list[list[int]] | None = None
         self.last_report = None
         self.target_path, self._target = target, None
+        self.top_p = check_top_p(top_p)
+        # Read now: a missing package or unknown set fails the run at start, not after its first epoch.
+        self.benchmark = None if benchmark is None else load_prompt_set(benchmark, num_prompts)
 
     def prompts(self, trainer: pl.Trainer) -> list[list[int]]:
         if self._prompts is None:
@@ -162,25 +180,23 @@ class AcceptanceCallback(pl.Callback):
         expert_parallel = pl_module.expert_range() is not None
         if trainer.global_rank != 0 and not expert_parallel:
             return
-        prompts = self.prompts(trainer)
-        if not prompts:
-            return
         draft_config = pl_module.draft_config or draft.config
+        decoding = {"max_new_tokens": self.max_new_tokens, "num_draft_tokens": draft_steps(pl_module,
+                    self.num_draft_tokens), "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+                    "aux_layer_ids": draft_config.aux_layer_ids, "prefill_chunk": self.prefill_chunk}  # fmt: skip
         with torch.autocast(device_type=target.lm_head.weight.device.type, enabled=False):
-            report = evaluate_acceptance(
-                target,
-                draft,
-                prompts,
-                num_prompts=self.num_prompts,
-                max_new_tokens=self.max_new_tokens,
-                num_draft_tokens=draft_steps(pl_module, self.num_draft_tokens),
-                temperature=self.temperature,
-                seed=self.seed,
-                aux_layer_ids=draft_config.aux_layer_ids,
-                compare_plain=self.compare_plain,
-                warmup=False,
-                prefill_chunk=self.prefill_chunk,
-            )
+            if self.benchmark is not None:
+                datamodule = getattr(trainer, "datamodule", None)
+                tokenizer = resolve_tokenizer(getattr(datamodule, "tokenizer", None) or "synthetic")
+                options = dict(getattr(datamodule, "render_options", {}))
+                report = evaluate_prompt_set(target, draft, self.benchmark, tokenizer, render_options=options,
+                                             **decoding)  # fmt: skip
+            else:
+                prompts = self.prompts(trainer)
+                if not prompts:
+                    return
+                report = evaluate_acceptance(target, draft, prompts, num_prompts=self.num_prompts,
+                                             compare_plain=self.compare_plain, warmup=False, **decoding)  # fmt: skip
         self.last_report = report
         if trainer.global_rank != 0:
             return
@@ -194,6 +210,8 @@ class AcceptanceCallback(pl.Callback):
         metrics["val/vllm_draft_acceptance_rate"] = engine["draft_acceptance_rate"]
         rates = enumerate(engine["per_position_acceptance_rate"])
         metrics.update({f"val/vllm_acceptance_rate_{k}": r for k, r in rates if r == r})
-        if self.compare_plain:
+        if self.compare_plain and self.benchmark is None:
             metrics["val/speedup_real"] = report.speedup
+        if self.benchmark is not None:
+            metrics.update(summary_metrics(f"val/{self.benchmark.name}", set_summary(report)))
         pl_module.log_dict(metrics, rank_zero_only=True, sync_dist=False)

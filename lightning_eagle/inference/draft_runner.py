@@ -27,9 +27,9 @@ last slot n−1 at n−1+j — the TTT convention ``t + k`` (:mod:`lightning_eag
 rotated, so a cached key never needs its position again.
 
 Extension point: any object with ``reset()``, ``extend(aux, next_ids)`` and ``propose(num_tokens, temperature,
-generator)`` returning a :class:`DraftProposal` can drive :func:`~lightning_eagle.inference.speculative_generate`
-(e.g. a tree drafter would return the best chain of its tree, or a future tree-verification loop would consume a
-richer proposal).
+generator, top_p)`` returning a :class:`DraftProposal` (``probs``: the law each token was drawn from, its top-p
+nucleus included) can drive :func:`~lightning_eagle.inference.speculative_generate` (e.g. a tree drafter would
+return the best chain of its tree, or a future tree-verification loop would consume a richer proposal).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch
 
 from lightning_eagle.backends import BackendSetting
 from lightning_eagle.draft.block_attention import accumulate_dtype
+from lightning_eagle.inference.sampling import nucleus
 from lightning_eagle.ops.mla import MLA_BACKEND, MLA_CORES
 
 
@@ -70,7 +71,9 @@ class Drafter(Protocol):
 
     def extend(self, aux_hidden_states: torch.Tensor, next_ids: torch.Tensor) -> None: ...
 
-    def propose(self, num_tokens: int, temperature: float, generator: torch.Generator | None) -> DraftProposal: ...
+    def propose(
+        self, num_tokens: int, temperature: float, generator: torch.Generator | None, top_p: float = 1.0
+    ) -> DraftProposal: ...
 
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -188,11 +191,13 @@ class DraftRunner:
         num_tokens: int,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
+        top_p: float = 1.0,
         forced_tokens: list[int] | None = None,
     ) -> DraftProposal:
-        """Draft ``num_tokens`` tokens from the last slot: greedy at temperature 0, else sampled from
-        ``softmax(z / temperature)``. ``forced_tokens`` (tests) replaces the first picks by the given target ids, i.e.
-        runs the chain as if the drafts had been those tokens."""
+        """Draft ``num_tokens`` tokens from the last slot: greedy at temperature 0, else sampled from the top-p nucleus
+        of ``softmax(z / temperature)`` (:func:`~lightning_eagle.inference.sampling.nucleus`; ``probs`` is that
+        nucleus, the q rejection sampling divides by). ``forced_tokens`` (tests) replaces the first picks by the given
+        target ids, i.e. runs the chain as if the drafts had been those tokens."""
         if self.last_hidden is None:
             raise RuntimeError("DraftRunner.propose before extend: the draft has no context")
         draft = self.draft
@@ -225,7 +230,7 @@ class DraftRunner:
                 h = draft_layer_step(draft, tokens[-1].view(1, 1), h, attend, position)
             logits = draft.logits(h)[0, -1].float()  # [N_d]
             if temperature > 0:
-                probs = torch.softmax(logits / temperature, dim=-1)
+                probs = nucleus(torch.softmax(logits / temperature, dim=-1), top_p)
                 pick = torch.multinomial(probs, 1, generator=generator)[0]
                 all_probs.append(probs)
             else:

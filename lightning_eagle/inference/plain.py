@@ -18,7 +18,7 @@ from lightning_eagle.inference.incremental_target import (
     check_prefill_chunk,
     chunk_bounds,
 )
-from lightning_eagle.inference.sampling import pick_token
+from lightning_eagle.inference.sampling import check_top_p, pick_token
 from lightning_eagle.inference.speculative import as_prompt_tensor, make_generator
 
 
@@ -40,11 +40,13 @@ def plain_generate(
     *,
     stop_token_ids: Iterable[int] | None = None,
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+    top_p: float = 1.0,
 ) -> PlainOutput:
     """Decode ``max_new_tokens`` tokens with the target alone (stop tokens end it, and are kept). ``prefill_chunk``:
     prompt tokens per prefill forward (None = one forward), as in
-    :func:`~lightning_eagle.inference.speculative_generate`."""
+    :func:`~lightning_eagle.inference.speculative_generate`; ``top_p``: sample the top-p nucleus (temperature > 0)."""
     check_prefill_chunk(prefill_chunk)
+    check_top_p(top_p)
     start = time.perf_counter()
     session = IncrementalTarget(target)
     prompt = as_prompt_tensor(prompt_ids, session.device)
@@ -58,7 +60,7 @@ def plain_generate(
             step = session.prefill_chunk(prompt[:, begin:end], begin, return_logits="last" if end == T else False)
         forwards = 1  # the prefill counts once, whatever its number of chunks
         while True:
-            tokens.append(pick_token(step.logits[0, -1], temperature, gen))
+            tokens.append(pick_token(step.logits[0, -1], temperature, gen, top_p))
             if len(tokens) >= max_new_tokens or tokens[-1] in stop:
                 break
             step = session.extend(prompt.new_tensor([[tokens[-1]]]), return_logits="last", rollbackable=False)

@@ -10,6 +10,11 @@ the token after the j-th verified input, so row j−1 judges draft j and row K g
   residual ``norm(max(p_j − q_j, 0))``; if all K are accepted, from p_{K+1}. Each emitted token is then distributed
   exactly as the target's ``softmax(logits / temperature)``, whatever q is.
 
+Top-p (nucleus, :func:`nucleus`): with ``top_p < 1`` the target law p is the nucleus of ``softmax(logits / T)`` (the
+smallest set of most likely tokens whose mass reaches ``top_p``, renormalised), which is what a server sampling with
+top-p draws from. The draft samples from the nucleus of its own distribution too (any q keeps the rule exact; a q
+close to p accepts more), so speculative sampling stays lossless with respect to the top-p target.
+
 The draft's distributions live on the draft vocabulary; :func:`draft_probs_to_target` scatters them onto the target
 vocabulary through the draft's selected ids (``arange(N_d) + d2t``), so q is zero outside the draft vocabulary.
 """
@@ -19,20 +24,40 @@ from __future__ import annotations
 import torch
 
 
-def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``softmax(logits / temperature)`` in fp32."""
-    return torch.softmax(logits.float() / temperature, dim=-1)
+def check_top_p(top_p: float) -> float:
+    """``top_p`` in (0, 1] (1 = no truncation), else one ``ValueError`` naming it."""
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = no nucleus truncation), got {top_p!r}")
+    return float(top_p)
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs [..., V]`` restricted to each row's nucleus and renormalised: the most likely tokens are kept while the
+    mass of the tokens more likely than them is below ``top_p`` (so the most likely is always kept; of tied tokens the
+    lower id comes first). ``top_p = 1`` returns ``probs`` unchanged."""
+    if check_top_p(top_p) >= 1.0:
+        return probs
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties: the lower id first
+    before = torch.cumsum(sorted_probs, -1) - sorted_probs  # mass of the more likely tokens
+    kept = torch.zeros_like(probs).scatter(-1, order, (before < top_p).to(probs.dtype))
+    truncated = probs * kept
+    return truncated / truncated.sum(-1, keepdim=True)
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """``softmax(logits / temperature)`` in fp32, restricted to its top-p nucleus (:func:`nucleus`)."""
+    return nucleus(torch.softmax(logits.float() / temperature, dim=-1), top_p)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator)[0])
 
 
-def pick_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    """The target's own next token from one logits row: argmax at temperature 0, else a sample."""
+def pick_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None, top_p: float = 1.0) -> int:
+    """The target's own next token from one logits row: argmax at temperature 0, else a sample of its top-p law."""
     if temperature <= 0:
         return int(logits.argmax())
-    return sample(target_probs(logits, temperature), generator)
+    return sample(target_probs(logits, temperature, top_p), generator)
 
 
 def draft_probs_to_target(probs: torch.Tensor, selected_token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -57,10 +82,12 @@ def rejection_verify(
     target_logits: torch.Tensor,
     temperature: float,
     generator: torch.Generator | None,
+    top_p: float = 1.0,
 ) -> tuple[int, int]:
     """``draft_tokens [K]`` (target ids) sampled from ``draft_probs [K, V]`` (target vocabulary, see
-    :func:`draft_probs_to_target`), ``target_logits [K+1, V]`` → ``(accepted, next_token)``."""
-    p = target_probs(target_logits, temperature)
+    :func:`draft_probs_to_target`), ``target_logits [K+1, V]`` → ``(accepted, next_token)``, exact for the target's
+    top-p law (module docstring)."""
+    p = target_probs(target_logits, temperature, top_p)
     q = draft_probs.float().to(p.device)
     tokens = draft_tokens.tolist()
     for j, x in enumerate(tokens):

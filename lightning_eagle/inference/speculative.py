@@ -44,7 +44,13 @@ from lightning_eagle.inference.incremental_target import (
     check_prefill_chunk,
     chunk_bounds,
 )
-from lightning_eagle.inference.sampling import draft_probs_to_target, greedy_verify, pick_token, rejection_verify
+from lightning_eagle.inference.sampling import (
+    check_top_p,
+    draft_probs_to_target,
+    greedy_verify,
+    pick_token,
+    rejection_verify,
+)
 from lightning_eagle.settings import DEFAULT_TTT_STEPS
 
 # K when the caller does not choose one. The draft's config records only its architecture, not the unroll it was
@@ -138,6 +144,7 @@ def speculative_generate(
     *,
     stop_token_ids: Iterable[int] | None = None,
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+    top_p: float = 1.0,
 ) -> SpeculativeOutput:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with ``draft`` proposing ``num_draft_tokens``
     per round and ``target`` verifying them. Lossless: greedy output at ``temperature=0``, the target's sampling
@@ -146,13 +153,16 @@ def speculative_generate(
     ``aux_layer_ids=None`` uses the ids recorded in the draft's config, else the target's default, else raises
     (:func:`~lightning_eagle.inference.aux_ids.resolve_inference_aux`). ``stop_token_ids`` end generation after the
     first stop token emitted (kept in ``tokens``). ``prefill_chunk``: prompt tokens per prefill forward of target
-    and draft (step 0 of the module docstring; None = the whole prompt in one forward). Batch of one prompt.
+    and draft (step 0 of the module docstring; None = the whole prompt in one forward). ``top_p`` (temperature > 0):
+    the target law is the top-p nucleus, and the draft samples from its own nucleus
+    (:mod:`~lightning_eagle.inference.sampling`). Batch of one prompt.
     """
     if max_new_tokens < 0 or num_draft_tokens < 0:
         raise ValueError("max_new_tokens and num_draft_tokens must be >= 0")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     check_prefill_chunk(prefill_chunk)
+    check_top_p(top_p)
     start = time.perf_counter()
     drafter, ids, stream = as_drafter(target, draft, aux_layer_ids)
     session = IncrementalTarget(target, ids, stream)
@@ -178,7 +188,7 @@ def speculative_generate(
         if drafting and end < T:
             drafter.extend(step.aux_hidden_states, prompt[:, begin + 1 : end + 1])
             out.draft_seconds += time.perf_counter() - t1
-    token = pick_token(step.logits[0, -1], temperature, gen)
+    token = pick_token(step.logits[0, -1], temperature, gen, top_p)
     out.target_forwards = 1  # the prefill counts once, whatever its number of chunks
     out.tokens, out.stopped = _cut([token], stop)
     if len(out.tokens) < max_new_tokens and not out.stopped:
@@ -189,7 +199,7 @@ def speculative_generate(
 
     while len(out.tokens) < max_new_tokens and not out.stopped:
         t0 = time.perf_counter()
-        proposal = drafter.propose(num_draft_tokens, temperature, gen)
+        proposal = drafter.propose(num_draft_tokens, temperature, gen, top_p)
         drafted = proposal.tokens.to(device)
         t1 = time.perf_counter()
         length = session.length
@@ -197,7 +207,7 @@ def speculative_generate(
         logits = step.logits[0]
         if temperature > 0:
             q = draft_probs_to_target(proposal.probs.to(device), drafter.selected_token_ids, vocab)
-            accepted, token = rejection_verify(drafted, q, logits, temperature, gen)
+            accepted, token = rejection_verify(drafted, q, logits, temperature, gen, top_p)
         else:
             accepted, token = greedy_verify(drafted, logits)
         session.rollback(length + accepted + 1)

@@ -97,6 +97,7 @@ def test_cli_entry_point(tmp_path, chat_file, capsys):
         [
             "--target", str(target_dir), "--draft", str(draft_dir), "--data", str(chat_file),
             "--num-prompts", "2", "--max-new-tokens", "5", "--num-draft-tokens", "2", "--json", str(out_json),
+            "--temperature", "0",  # greedy (the default is the cards' 1): the plain run must agree token for token
         ]
     )  # fmt: skip
     printed = capsys.readouterr().out

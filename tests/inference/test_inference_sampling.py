@@ -83,7 +83,7 @@ def test_rejection_sampling_emits_the_target_distribution():
     assert chi_square_pvalue(bad_first, p0) < 1e-3
 
 
-def always_accept(draft_tokens, draft_probs, target_logits, temperature, generator):
+def always_accept(draft_tokens, draft_probs, target_logits, temperature, generator, top_p=1.0):
     """Another bug: trust the draft (the output then follows q, not p)."""
     return len(draft_tokens), sampling.sample(sampling.target_probs(target_logits[-1], temperature), generator)
 

@@ -86,7 +86,7 @@ class OracleDrafter:
         torch.testing.assert_close(aux, self.full_aux[:, self.slots : self.slots + T], rtol=1e-4, atol=2e-5)
         self.slots += T
 
-    def propose(self, num_tokens, temperature, generator):
+    def propose(self, num_tokens, temperature, generator, top_p=1.0):
         right = self.schedule[self.round % len(self.schedule)]
         self.round += 1
         truth = self.sequence[self.slots + 1 : self.slots + 1 + num_tokens]

@@ -1,0 +1,163 @@
+"""Acceptance on a prompt set the way draft cards report it: every conversation decoded turn by turn, as served.
+
+Turn i of a conversation is rendered (K3 XTML, generation prompt) after the user turns 1..i and the target's *own*
+answers to turns 1..i−1 (:func:`~lightning_eagle.data.regenerate.k3_response.split_k3_response` turns each generated
+answer back into the assistant message, thinking included), then decoded by speculative decoding. The verification
+rounds of every turn pool into one :class:`~lightning_eagle.inference.acceptance.AcceptanceReport`; its numbers
+(:func:`set_summary`) are what the command's table, JSON and plot and the callback's ``val/…`` metrics all show.
+
+Acceptance against context length uses generated long prompts (:func:`context_length_prompts`), the recipe: for
+each length L, chats of the bundled synthetic corpus strung into one conversation rendering to ``[L − 512, L]``
+tokens (``lightning_eagle.data.long_corpus``), cut before its last assistant turn.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_eagle.data.prompt_sets import PromptSet
+from lightning_eagle.inference.acceptance import AcceptanceReport
+from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK
+from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS, SpeculativeOutput, speculative_generate
+
+# A generated long context lies this many tokens below its nominal length at most (long_corpus needs >= 512).
+CONTEXT_LENGTH_SLACK = 512
+
+
+@torch.no_grad()
+def evaluate_prompt_set(
+    target,
+    draft,
+    prompt_set: PromptSet,
+    tokenizer,
+    *,
+    max_new_tokens: int = 64,
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    temperature: float = 1.0,
+    top_p: float = 0.95,
+    seed: int = 0,
+    aux_layer_ids: list[int] | None = None,
+    render_options: dict[str, Any] | None = None,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+    on_turn: Callable[[], None] | None = None,
+) -> AcceptanceReport:
+    """Speculative decoding of every turn of every conversation of ``prompt_set`` (module docstring) → one report.
+
+    ``tokenizer``: the target's (a ``KimiTokenizer``); ``render_options``: ``thinking`` / ``thinking_effort`` as the
+    draft was trained with; each turn is seeded ``seed + its index`` over the whole set. ``on_turn`` is called after
+    every decoded turn (a progress bar)."""
+    from lightning_eagle.data.regenerate.k3_response import split_k3_response
+    from lightning_eagle.data.render_k3 import render_k3_chat
+
+    options = {"thinking": True, "thinking_effort": None, **(render_options or {})}
+    eos = getattr(target.config, "eos_token_id", None)
+    common = {"stop_token_ids": [] if eos is None else [eos], "prefill_chunk": prefill_chunk, "top_p": top_p}
+    vocab = target.config.vocab_size
+    outputs: list[tuple[int, SpeculativeOutput]] = []
+    was_training = bool(getattr(draft, "training", False))
+    if was_training:  # a draft in training (the callback's) decodes in eval mode and goes back after
+        draft.eval()
+    try:
+        for conversation in prompt_set.conversations:
+            messages: list[dict[str, Any]] = []
+            for turn in conversation:
+                messages.append({"role": "user", "content": turn})
+                prompt = render_k3_chat(messages, tokenizer, add_generation_prompt=True, **options)
+                if max(prompt) >= vocab:
+                    raise ValueError(f"prompt token id {max(prompt)} >= target vocab_size {vocab}: tokenizer and "
+                                     "target differ")  # fmt: skip
+                out = speculative_generate(target, draft, prompt, max_new_tokens, num_draft_tokens, temperature,
+                                           seed + len(outputs), aux_layer_ids, **common)  # fmt: skip
+                outputs.append((len(prompt), out))
+                answer = split_k3_response(out.tokens, tokenizer, options["thinking"])
+                messages.append(
+                    {"role": "assistant", "content": answer.content, "reasoning_content": answer.reasoning_content}
+                )
+                if on_turn is not None:
+                    on_turn()
+    finally:
+        if was_training:
+            draft.train()
+    return AcceptanceReport.pooled(
+        outputs,
+        num_prompts=len(prompt_set.conversations),
+        num_draft_tokens=num_draft_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+    )
+
+
+def set_summary(report: AcceptanceReport) -> dict[str, Any]:
+    """The numbers a draft card reports for one set, from one report: vLLM's mean acceptance length
+    (``1 + accepted / drafts``), the conditional per-position acceptance P(draft j | 1..j−1 accepted), vLLM's
+    per-position and draft acceptance rates, prompts, turns, tokens, and the wall clock split draft vs target."""
+    engine = report.engine
+    spent = report.spec_draft_seconds + report.spec_target_seconds
+    return {
+        "mean_acceptance_length": engine["mean_acceptance_length"],
+        "acceptance_per_position": report.acceptance_per_position,
+        "per_position_acceptance_rate": engine["per_position_acceptance_rate"],
+        "draft_acceptance_rate": engine["draft_acceptance_rate"],
+        "prompts": report.num_prompts,
+        "turns": report.num_turns,
+        "rounds": report.num_rounds,
+        "prompt_tokens": report.prompt_tokens,
+        "generated_tokens": report.spec_tokens,
+        "draft_seconds": report.spec_draft_seconds,
+        "target_seconds": report.spec_target_seconds,
+        "draft_time_share": report.spec_draft_seconds / spent if spent > 0 else math.nan,
+        "num_draft_tokens": report.num_draft_tokens,
+        "temperature": report.temperature,
+        "top_p": report.top_p,
+    }
+
+
+def summary_metrics(prefix: str, summary: dict[str, Any]) -> dict[str, float]:
+    """:func:`set_summary` as flat scalar metrics under ``prefix`` (``val/mt_bench``): the callback logs these."""
+    metrics = {
+        f"{prefix}/{key}": float(summary[key])
+        for key in ("mean_acceptance_length", "draft_acceptance_rate", "draft_seconds", "target_seconds")
+    }
+    for k, rate in enumerate(summary["acceptance_per_position"]):
+        if rate == rate:  # undefined positions (no round reached them) are not logged
+            metrics[f"{prefix}/accept_{k}"] = float(rate)
+    return metrics
+
+
+def parse_context_lengths(text: str) -> list[int]:
+    """``"1k,4k,16k"`` → ``[1024, 4096, 16384]`` (``k`` = 1024, plain integers as given); refuses a bad entry."""
+    lengths = []
+    for word in (w.strip().lower() for w in text.split(",")):
+        scale = 1024 if word.endswith("k") else 1
+        digits = word[:-1] if scale > 1 else word
+        if not digits.isdigit() or int(digits) * scale <= CONTEXT_LENGTH_SLACK:
+            raise ValueError(
+                f"--context-lengths: {word!r} is not a length above {CONTEXT_LENGTH_SLACK} tokens (like 1k, 4k, 16384)"
+            )
+        lengths.append(int(digits) * scale)
+    return lengths
+
+
+def context_length_prompts(
+    length: int, num_prompts: int, tokenizer, seed: int = 0, render_options: dict[str, Any] | None = None
+) -> list[list[int]]:
+    """``num_prompts`` token prompts of at most ``length`` tokens (module docstring): each a long chat rendered with
+    the generation prompt up to its last assistant turn, with the same render options as the run."""
+    from lightning_eagle.data.long_corpus import generate_long_corpus
+    from lightning_eagle.data.render_k3 import render_k3_chat
+
+    options = {"thinking": True, "thinking_effort": None, **(render_options or {})}
+    rows = generate_long_corpus(
+        num_prompts, seed, min_tokens=length - CONTEXT_LENGTH_SLACK, max_tokens=length, tokenizer=tokenizer, **options
+    )
+    prompts = []
+    for row in rows:
+        messages = row["messages"]
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompts.append(render_k3_chat(messages[:last], tokenizer, add_generation_prompt=True, **options))
+    return prompts
