@@ -181,7 +181,7 @@ def block_speculative_generate(
         t2 = time.perf_counter()
         out.target_forwards += 1
         out.accepted_per_round.append(accepted)
-        out.tv_per_round.append(total_variation(draft.logits[0], logits[:K], temperature))
+        out.tv_per_round.append(total_variation(draft.logits[0], logits[:K], temperature))  # a metric: untimed
         # 4. the verified positions' target states join the context; c is the next anchor
         t3 = time.perf_counter()
         going = out.emit(drafted[:accepted].tolist() + [token], stop, max_new_tokens)

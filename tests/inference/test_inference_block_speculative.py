@@ -20,6 +20,7 @@ from lightning_eagle.inference.block_acceptance import evaluate_block_acceptance
 from lightning_eagle.inference.block_speculative import analytic_tau, block_speculative_generate
 from lightning_eagle.inference.plain import plain_generate
 from lightning_eagle.k3 import KimiK3ForCausalLM
+from lightning_eagle.k3.capture import capture_taps
 from lightning_eagle.k3.loader import QUICKSTART_TARGET
 
 NEW_TOKENS = 24
@@ -60,7 +61,8 @@ def assert_context_is_the_verified_states(target, drafter: RecordingDrafter, seq
     """Each round's cache equals the drafter's projection of a full target capture of positions ``0..n−1`` and the
     anchor is token ``n`` of the output: the states of exactly the verified positions, nothing rejected."""
     config = drafter.config
-    full = target.capture(torch.tensor([sequence]), None, config.target_layer_ids, config.aux_hidden_state_stream)
+    ids, taps = torch.tensor([sequence]), tuple(config.target_layer_ids)  # any number of taps: not target.capture's 3
+    full = capture_taps(target, ids, None, taps, config.aux_hidden_state_stream, False, False)
     expected = drafter.context_kv(full.aux_hidden_states, torch.arange(len(sequence)))
     for n, layers, anchor in drafter.seen:
         assert anchor == sequence[n]
@@ -93,6 +95,20 @@ def test_greedy_block_decoding_equals_plain_greedy(bundled, which):
         assert min(accepted) == 0 and max(accepted) == g and any(0 < a < g for a in accepted)
     else:
         assert sum(accepted) <= len(accepted) // 4  # an untrained drafter is mostly rejected at once
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny", "k3-tiny-no-attnres"])
+def test_five_taps_of_the_mixed_stream_reach_the_drafter(preset):
+    """The real K3 drafter reads 5 taps; the ``mixed`` AttnRes stream (what the next layer reads) is recorded and
+    used; without AttnRes both streams are the plain residual."""
+    target = make_target(preset, seed=4)
+    drafter = recording(dspark_for_target(target, target_layer_ids=[0, 1, 2, 4, 5], aux_hidden_state_stream="mixed"))
+    prompt = [7, 100, 3, 42, 9, 250]
+    ref = plain_generate(target, prompt, 12).tokens
+    assert_decided(target, prompt, ref)
+    out = block_speculative_generate(target, drafter, prompt, 12, prefill_chunk=4)
+    assert out.tokens == ref
+    assert_context_is_the_verified_states(target, drafter, prompt + out.tokens)
 
 
 def test_fewer_drafts_than_the_block_and_stop_tokens(bundled):
