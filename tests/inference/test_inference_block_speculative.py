@@ -230,6 +230,8 @@ def test_bad_inputs_are_refused():
         block_speculative_generate(target, drafter, [1, 2], temperature=-0.5)
     with pytest.raises(ValueError, match="vocab_size 255 != target vocab_size 256"):
         block_speculative_generate(target, dspark_for_target(target, vocab_size=255, mask_token_id=3), [1, 2])
+    with pytest.raises(ValueError, match="target_hidden_size 64 != target hidden_size 128"):
+        block_speculative_generate(target, dspark_for_target(target, target_hidden_size=64), [1, 2])
     with pytest.raises(ValueError, match="built for a 8-layer target"):
         block_speculative_generate(target, dspark_for_target(target, target_num_hidden_layers=8), [1, 2])
     with pytest.raises(ValueError, match="is torch.float64 but the target is torch.float32"):
