@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_eagle.commands.arguments import CommandParser
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK
 from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS
@@ -33,7 +34,7 @@ from lightning_eagle.settings import check_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m lightning_eagle.commands.acceptance",
         description="Speculative decoding of a K3 target with a draft: acceptance per standard prompt set (the "
         "table draft cards report), against context length, or on your own chats.",

@@ -122,11 +122,14 @@ class ConfidenceHead(nn.Module):
 
 @dataclass
 class BlockDraft:
-    """What :meth:`DSparkDrafter.sample_block` returns: ``tokens [B,g]`` and the distributions they were drawn from,
-    ``probs [B,g,V]`` fp32 (one-hot of the argmax when greedy: the proposal a verifier must use)."""
+    """What :meth:`DSparkDrafter.sample_block` returns: ``tokens [B,g]``, the distributions they were drawn from,
+    ``probs [B,g,V]`` fp32 (one-hot of the argmax when greedy: the proposal a verifier must use), and the slots'
+    ``logits [B,g,V]`` fp32 before any temperature (base + Markov bias of the token sampled before: what an
+    analytic acceptance compares with the target at any temperature)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor
+    logits: torch.Tensor
 
 
 class DSparkDrafter(nn.Module):
@@ -271,9 +274,10 @@ class DSparkDrafter(nn.Module):
         bias(x_{k-1})`` with ``x_{-1}`` the anchor; ``temperature`` 0 = greedy (argmax), else softmax(logits / T)."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        prev, tokens, probs = anchor_tokens, [], []
+        prev, tokens, probs, slot_logits = anchor_tokens, [], [], []
         for k in range(slot_hidden.shape[1]):
             logits = (lm_head(slot_hidden[:, k]) + self.markov_bias(prev)).float()
+            slot_logits.append(logits)
             if temperature == 0:
                 prev = logits.argmax(dim=-1)
                 p = F.one_hot(prev, logits.shape[-1]).float()
@@ -282,7 +286,7 @@ class DSparkDrafter(nn.Module):
                 prev = torch.multinomial(p, 1, generator=generator).squeeze(-1)
             tokens.append(prev)
             probs.append(p)
-        return BlockDraft(torch.stack(tokens, dim=1), torch.stack(probs, dim=1))
+        return BlockDraft(torch.stack(tokens, dim=1), torch.stack(probs, dim=1), torch.stack(slot_logits, dim=1))
 
     @torch.no_grad()
     def propose_block(

@@ -7,11 +7,15 @@ Training and serving must tap the same features (`k3_target.md` §6.3). Resoluti
 3. else — shallow targets have no valid default — a ``ValueError`` that says what to pass.
 
 The stream is the draft's recorded ``aux_hidden_state_stream`` (``"prefix"`` when it records none).
+
+A DSpark block drafter always records its taps (``target_layer_ids``, required by vLLM) and stream:
+:func:`resolve_block_taps` checks them, and the widths, against the target.
 """
 
 from __future__ import annotations
 
 from lightning_eagle.aux_layers import resolve_aux_layer_ids, validate_aux_layer_ids
+from lightning_eagle.draft.dspark_config import check_target_layer_ids
 
 
 def resolve_inference_aux(target, draft_config, aux_layer_ids: list[int] | None = None) -> tuple[list[int], str]:
@@ -52,3 +56,26 @@ def check_draft_fits_target(target, draft) -> None:
             f"draft fc expects {draft.fc.in_features} aux features, the target gives "
             f"{dc.num_aux_hidden_states}×{tc.hidden_size} = {expected}"
         )
+
+
+def resolve_block_taps(target, config) -> tuple[list[int], str]:
+    """``(target_layer_ids, aux_stream)`` of a DSpark drafter's ``config``
+    (:class:`~lightning_eagle.draft.dspark_config.DSparkDraftConfig`) on ``target``, after checking what must agree
+    before any block is drafted; raises ``ValueError`` naming the mismatch."""
+    tc, L = target.config, target.config.num_hidden_layers
+    if config.vocab_size != tc.vocab_size:
+        raise ValueError(
+            f"DSpark drafter vocab_size {config.vocab_size} != target vocab_size {tc.vocab_size} (the drafter uses the "
+            "target's embedding and lm_head)"
+        )
+    if config.target_hidden_size != tc.hidden_size:
+        raise ValueError(
+            f"DSpark drafter target_hidden_size {config.target_hidden_size} != target hidden_size {tc.hidden_size}"
+        )
+    trained_for = config.target_num_hidden_layers
+    if trained_for is not None and trained_for != L:
+        raise ValueError(
+            f"the DSpark drafter was built for a {trained_for}-layer target (target_layer_ids "
+            f"{list(config.target_layer_ids)}), but this target has {L} layers"
+        )
+    return check_target_layer_ids(config.target_layer_ids, L), config.aux_hidden_state_stream

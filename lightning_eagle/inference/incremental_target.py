@@ -56,7 +56,7 @@ class TargetStep:
     """Outputs for the tokens of one :meth:`IncrementalTarget.extend` call."""
 
     logits: torch.Tensor | None  # [B,T,V]
-    aux_hidden_states: torch.Tensor | None  # [B,T,3H] (taps concatenated in aux_layer_ids order)
+    aux_hidden_states: torch.Tensor | None  # [B,T,n·H] (the n taps concatenated in aux_layer_ids order)
     hidden_states: torch.Tensor  # [B,T,H] post-norm final hidden
 
 
@@ -65,7 +65,7 @@ class IncrementalTarget:
 
     Args:
         model: the target (any dtype; its fp32 islands are respected because its own modules run).
-        aux_layer_ids: ids to tap (validated against the target depth); None = no aux capture.
+        aux_layer_ids: ids to tap, any number (validated against the target depth); None = no aux capture.
         aux_stream: ``"prefix"`` or ``"mixed"`` (must be the stream the draft was trained on).
         kda_recurrence: ``"auto"`` (chunked for long extensions, per token otherwise), ``"naive"`` or ``"chunk"``.
 
@@ -83,7 +83,8 @@ class IncrementalTarget:
         self.model = model
         self.layers = model.model.layers
         L = len(self.layers)
-        self.aux_layer_ids = None if aux_layer_ids is None else validate_aux_layer_ids(aux_layer_ids, L)
+        # any number of taps: EAGLE-3 drafts read 3, a DSpark drafter one per target_layer_id
+        self.aux_layer_ids = None if aux_layer_ids is None else validate_aux_layer_ids(aux_layer_ids, L, count=None)
         self.aux_stream = aux_stream
         self.kda_recurrence = kda_recurrence
         self.reset()
@@ -124,7 +125,7 @@ class IncrementalTarget:
 
         ``return_logits``: ``"last"`` (default; only the last position's logits, ``[B,1,V]``), True (all) or False.
         ``chunk``: prompt tokens per forward (None = one forward); the outputs of the chunks are concatenated, so a
-        caller that must not hold ``[B,T,3H]`` aux states runs the chunks itself (:meth:`prefill_chunk`).
+        caller that must not hold ``[B,T,n·H]`` aux states runs the chunks itself (:meth:`prefill_chunk`).
         """
         if input_ids.dim() == 1:
             input_ids = input_ids[None]

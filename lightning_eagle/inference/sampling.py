@@ -100,3 +100,20 @@ def rejection_verify(
         # p == q up to rounding leaves no residual mass; then rejection had probability ~0 and p is the right law.
         return j, sample(residual / total if total > 0 else p[j], generator)
     return len(tokens), sample(p[len(tokens)], generator)
+
+
+def verify_drafts(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+    top_p: float = 1.0,
+) -> tuple[int, int]:
+    """The rule of ``temperature``: :func:`greedy_verify` at 0 (``draft_probs`` unused, may be None), else
+    :func:`rejection_verify` with ``draft_probs [K, V]`` on the target vocabulary against the ``top_p`` nucleus."""
+    if temperature <= 0:
+        return greedy_verify(draft_tokens, target_logits)
+    if draft_probs is None:
+        raise ValueError("rejection sampling (temperature > 0) needs the draft's distributions, got None")
+    return rejection_verify(draft_tokens, draft_probs, target_logits, temperature, generator, top_p)

@@ -44,13 +44,7 @@ from lightning_eagle.inference.incremental_target import (
     check_prefill_chunk,
     chunk_bounds,
 )
-from lightning_eagle.inference.sampling import (
-    check_top_p,
-    draft_probs_to_target,
-    greedy_verify,
-    pick_token,
-    rejection_verify,
-)
+from lightning_eagle.inference.sampling import check_top_p, draft_probs_to_target, pick_token, verify_drafts
 from lightning_eagle.settings import DEFAULT_TTT_STEPS
 
 # K when the caller does not choose one. The draft's config records only its architecture, not the unroll it was
@@ -90,6 +84,12 @@ class SpeculativeOutput(VerificationRounds):
     draft_seconds: float = 0.0  # time in draft extend/propose
     stopped: bool = False  # ended on a stop token
 
+    def emit(self, new_tokens: list[int], stop: set[int], max_new_tokens: int) -> bool:
+        """Append ``new_tokens`` up to the first stop token and the budget; True while generation goes on."""
+        emitted, self.stopped = cut_at_stop(new_tokens, stop)
+        self.tokens += emitted[: max_new_tokens - len(self.tokens)]
+        return len(self.tokens) < max_new_tokens and not self.stopped
+
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     """A generator on ``device``; ``seed=None`` draws its seed from the global torch RNG (so ``torch.manual_seed``
@@ -111,6 +111,18 @@ def as_prompt_tensor(prompt_ids, device: torch.device) -> torch.Tensor:
     return ids[None]
 
 
+def check_generation_settings(
+    max_new_tokens: int, temperature: float, prefill_chunk: int | None, top_p: float = 1.0
+) -> None:
+    """The settings every speculative loop takes: a budget >= 0, a temperature >= 0, a prefill chunk, a top-p."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    check_prefill_chunk(prefill_chunk)
+    check_top_p(top_p)
+
+
 def as_drafter(target, draft, aux_layer_ids: list[int] | None):
     """``(drafter, aux_layer_ids, aux_stream)`` for a draft model or any object with the Drafter methods. A draft
     loaded without its frozen embedding gets the target's here (every entry point with both models passes here)."""
@@ -124,7 +136,8 @@ def as_drafter(target, draft, aux_layer_ids: list[int] | None):
     raise TypeError(f"draft must be a KimiK3Eagle3Draft or implement reset/extend/propose, got {type(draft).__name__}")
 
 
-def _cut(tokens: list[int], stop: set[int]) -> tuple[list[int], bool]:
+def cut_at_stop(tokens: list[int], stop: set[int]) -> tuple[list[int], bool]:
+    """``(tokens up to and including the first stop token, whether one was found)``."""
     for i, t in enumerate(tokens):
         if t in stop:
             return tokens[: i + 1], True
@@ -157,12 +170,9 @@ def speculative_generate(
     the target law is the top-p nucleus, and the draft samples from its own nucleus
     (:mod:`~lightning_eagle.inference.sampling`). Batch of one prompt.
     """
-    if max_new_tokens < 0 or num_draft_tokens < 0:
-        raise ValueError("max_new_tokens and num_draft_tokens must be >= 0")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    check_prefill_chunk(prefill_chunk)
-    check_top_p(top_p)
+    if num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+    check_generation_settings(max_new_tokens, temperature, prefill_chunk, top_p)
     start = time.perf_counter()
     drafter, ids, stream = as_drafter(target, draft, aux_layer_ids)
     session = IncrementalTarget(target, ids, stream)
@@ -190,8 +200,7 @@ def speculative_generate(
             out.draft_seconds += time.perf_counter() - t1
     token = pick_token(step.logits[0, -1], temperature, gen, top_p)
     out.target_forwards = 1  # the prefill counts once, whatever its number of chunks
-    out.tokens, out.stopped = _cut([token], stop)
-    if len(out.tokens) < max_new_tokens and not out.stopped:
+    if out.emit([token], stop, max_new_tokens):
         t0 = time.perf_counter()
         next_ids = torch.cat([prompt[0, begin + 1 :], prompt.new_tensor([token])])
         drafter.extend(step.aux_hidden_states, next_ids[None])
@@ -204,20 +213,16 @@ def speculative_generate(
         t1 = time.perf_counter()
         length = session.length
         step = session.extend(torch.cat([prompt.new_tensor([token]), drafted])[None])
-        logits = step.logits[0]
+        q = None
         if temperature > 0:
             q = draft_probs_to_target(proposal.probs.to(device), drafter.selected_token_ids, vocab)
-            accepted, token = rejection_verify(drafted, q, logits, temperature, gen, top_p)
-        else:
-            accepted, token = greedy_verify(drafted, logits)
+        accepted, token = verify_drafts(drafted, q, step.logits[0], temperature, gen, top_p)
         session.rollback(length + accepted + 1)
         t2 = time.perf_counter()
         out.target_forwards += 1
         out.accepted_per_round.append(accepted)
         new = drafted[:accepted].tolist() + [token]
-        emitted, out.stopped = _cut(new, stop)
-        out.tokens += emitted[: max_new_tokens - len(out.tokens)]
-        if len(out.tokens) < max_new_tokens and not out.stopped:
+        if out.emit(new, stop, max_new_tokens):
             drafter.extend(step.aux_hidden_states[:, : accepted + 1], torch.tensor([new], device=device))
         t3 = time.perf_counter()
         out.draft_seconds += (t1 - t0) + (t3 - t2)

@@ -189,12 +189,14 @@ def test_markov_sampling_greedy_and_temperature():
     prev = torch.cat([ids[:, 10:11], greedy.tokens[:, :-1]], dim=1)
     logits = lm_head(hidden) + drafter.markov_bias(prev)
     assert torch.equal(greedy.tokens, logits.argmax(-1))
+    torch.testing.assert_close(greedy.logits, logits, rtol=1e-5, atol=1e-5)  # the slots' logits, untempered
     assert not torch.equal(greedy.tokens, lm_head(hidden).argmax(-1))  # the bias mattered
     torch.testing.assert_close(greedy.probs.sum(-1), torch.ones(2, drafter.config.block_size))
     hot = drafter.sample_block(hidden, ids[:, 10], lm_head, temperature=0.7, generator=torch.Generator().manual_seed(0))
     prev = torch.cat([ids[:, 10:11], hot.tokens[:, :-1]], dim=1)
     expected = torch.softmax((lm_head(hidden) + drafter.markov_bias(prev)) / 0.7, dim=-1)
     torch.testing.assert_close(hot.probs, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.softmax(hot.logits / 0.7, dim=-1), hot.probs, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         drafter.sample_block(hidden, ids[:, 10], lm_head, temperature=-1.0)
 

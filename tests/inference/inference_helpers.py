@@ -1,4 +1,4 @@
-"""Tiny random K3 targets and EAGLE-3 drafts that fit them, for the inference tests."""
+"""Tiny random K3 targets and the EAGLE-3 drafts and DSpark drafters that fit them, for the inference tests."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import torch
 from k3_helpers import tiny_model
 
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft, build_draft
+from lightning_eagle.draft.dspark import DSparkDrafter
+from lightning_eagle.draft.dspark_config import dspark_config_from_preset
 
 
 def make_target(preset: str = "k3-tiny", seed: int = 0, lm_head_scale: float = 1.0, **overrides):
@@ -43,3 +45,60 @@ def draft_for_target(
             draft.set_vocab_mapping(torch.sort(torch.randperm(V)[:N_d]).values)
         draft.copy_embeddings_from(target.model.embed_tokens.weight)
     return draft.eval()
+
+
+def dspark_for_target(target, seed: int = 0, **overrides) -> DSparkDrafter:
+    """A random ``k3-tiny`` DSpark drafter sized for ``target`` (its vocabulary, width and depth; the last token id
+    is the mask), with norm weights away from 1."""
+    tc = target.config
+    values = {
+        "vocab_size": tc.vocab_size,
+        "mask_token_id": tc.vocab_size - 1,
+        "target_hidden_size": tc.hidden_size,
+        "target_num_hidden_layers": tc.num_hidden_layers,
+        **overrides,
+    }
+    torch.manual_seed(seed)
+    drafter = DSparkDrafter(dspark_config_from_preset("k3-tiny", **values))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return drafter.eval()
+
+
+def train_dspark(
+    target, drafter: DSparkDrafter, sequences, supervised_from, steps: int = 60, lr: float = 3e-3, anchors: int = 24
+) -> DSparkDrafter:
+    """A short real training of ``drafter`` with the DSpark objective (anchors, blocks, ``dspark_loss_plain``)
+    against ``target``'s taps and teacher. ``sequences`` are token lists (right-padded here; padding is never
+    supervised nor seen by an earlier block), supervised from position ``supervised_from[i]`` on."""
+    # imported here: the other inference tests need no training code
+    from lightning_eagle.training.dspark_anchors import anchor_generator, block_targets, sample_anchors
+    from lightning_eagle.training.dspark_objective import DSparkHeads, dspark_loss_plain, supervised_rows
+
+    config = drafter.config
+    T = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [0] * (T - len(s)) for s in sequences])
+    position = torch.arange(T)
+    loss_mask = torch.stack([(position >= start) & (position < len(s)) for s, start in zip(sequences, supervised_from)])
+    with torch.no_grad():
+        cap = target.capture(ids, None, config.target_layer_ids, config.aux_hidden_state_stream)
+    heads = DSparkHeads(
+        lm_head_weight=target.lm_head.weight,
+        markov_w1=drafter.markov_head.markov_w1.weight,
+        markov_w2=drafter.markov_head.markov_w2.weight,
+        confidence_weight=drafter.confidence_head.proj.weight,
+        confidence_bias=drafter.confidence_head.proj.bias,
+    )
+    optimizer = torch.optim.Adam(drafter.parameters(), lr=lr)
+    drafter.train()
+    for step in range(steps):
+        anchor_ids, keep = sample_anchors(loss_mask, anchors, anchor_generator(0, step, 0))
+        blocks = block_targets(ids, loss_mask, anchor_ids, keep, config.block_size)
+        hidden = drafter(cap.aux_hidden_states, ids, anchor_ids, keep, target.model.embed_tokens)
+        loss = dspark_loss_plain(supervised_rows(blocks, hidden, cap.final_hidden), heads).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return drafter.eval()

@@ -106,7 +106,7 @@ def test_speculative_sampling_matches_target_joint_distribution(broken, monkeypa
     for idx, (a, b) in enumerate(itertools.product(range(V), repeat=2)):
         joint[a, b] = probs[idx, 0, a] * probs[idx, 1, b] * probs[idx, 2]
     if broken:
-        monkeypatch.setattr("lightning_eagle.inference.speculative.rejection_verify", always_accept)
+        monkeypatch.setattr("lightning_eagle.inference.sampling.rejection_verify", always_accept)
     counts = torch.zeros(V, V, V)
     accepted = []
     for s in range(n_samples):

@@ -1,0 +1,193 @@
+"""Block speculative decoding with a DSpark drafter: one parallel draft of g tokens, one target forward verifies
+them, lossless acceptance (`dspark.md`, "Inference"; vLLM's ``DSparkSpeculator`` with ``sample_from_anchor``).
+
+The drafter's context cache (:class:`~lightning_eagle.draft.dspark.DSparkContextCache`) holds the target's states
+at the drafter's ``target_layer_ids`` (its recorded AttnRes stream, what the export records and training read) of
+every *verified* position. The prefill, in chunks of ``prefill_chunk`` prompt tokens (None = one chunk):
+
+0. for chunk ``[s, e)`` the target extends by ``x_s..x_{e−1}`` and the cache appends the chunk's states at once (a
+   block needs no next token, unlike an EAGLE-3 slot); the last chunk's last logits give the target's first token.
+   Transients are ``[C,L]``, never ``[T,T]``; the caches equal a single-shot prefill to fp32 rounding.
+
+Then one round, with target and cache holding positions ``0..n−1`` and the anchor ``x_n`` chosen by the target:
+
+1. the drafter runs one block ``[x_n, mask × (g−1)]`` at positions ``n..n+g−1`` against the context ``< n``
+   (:meth:`~lightning_eagle.draft.dspark.DSparkDrafter.propose_block`); slot k predicts the token at ``n+k+1``, as
+   vLLM's prepare-inputs kernel places it (query ``k`` at ``last_valid_pos + 1 + k``, the bonus token at offset 0,
+   ``sample_pos = query_pos + 1``);
+2. the Markov head samples ``d_1..d_K`` left to right (argmax at temperature 0, else ``softmax(z / T)``, each from
+   the token before it; :meth:`~lightning_eagle.draft.dspark.DSparkDrafter.sample_block`);
+3. the target extends by ``[x_n, d_1..d_K]`` in **one** forward;
+   :func:`~lightning_eagle.inference.sampling.verify_drafts` accepts ``d_1..d_a`` (greedy, or standard rejection
+   sampling: lossless in distribution) and picks the next token c;
+4. the target rolls back to ``n+a+1`` positions and the cache appends the states of ``x_n, d_1..d_a`` (positions
+   ``n..n+a``); the rejected positions' states are never projected (vLLM gives those rows ``PAD_SLOT_ID``: they
+   write no draft K/V). c is the next anchor.
+
+K (``num_draft_tokens``, default g) may be below the block size: the block still has its trained g slots and its
+first K are verified. ``accepted_per_round`` records a per round (0..K), so τ = mean(a+1). Along the way
+``tv_per_round`` keeps, per round and drafted position k, the total variation between the drafter's and the
+target's distributions at that position (both conditioned on the drafted prefix): at ``temperature > 0`` those the
+sampling and the verification use, at 0 the untempered ones (temperature 1, what training's ``tau_sim`` compares).
+``1 + Σ_k Π_{i≤k} (1 − TV_i)`` is then the expected tokens per round of rejection sampling along that path
+(:attr:`BlockSpeculativeOutput.tau_analytic`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_eagle.draft.dspark import DSparkContextCache, DSparkDrafter
+from lightning_eagle.inference.aux_ids import resolve_block_taps
+from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, IncrementalTarget, chunk_bounds
+from lightning_eagle.inference.sampling import pick_token, verify_drafts
+from lightning_eagle.inference.speculative import (
+    SpeculativeOutput,
+    as_prompt_tensor,
+    check_generation_settings,
+    make_generator,
+)
+
+
+def analytic_tau(tv_per_round: list[list[float]]) -> float:
+    """Mean over rounds of ``1 + Σ_k Π_{i≤k} (1 − TV_i)`` (nan without a round)."""
+    if not tv_per_round:
+        return float("nan")
+    total = 0.0
+    for tvs in tv_per_round:
+        survival = torch.tensor([1.0 - tv for tv in tvs], dtype=torch.float64).clamp(0.0, 1.0).cumprod(0)
+        total += 1.0 + float(survival.sum())
+    return total / len(tv_per_round)
+
+
+@dataclass
+class BlockSpeculativeOutput(SpeculativeOutput):
+    """One prompt's block speculative decoding: :class:`~lightning_eagle.inference.speculative.SpeculativeOutput`'s
+    fields, and per round the total variation of each drafted position (module docstring)."""
+
+    tv_per_round: list[list[float]] = field(default_factory=list, repr=False)
+
+    @property
+    def tau_analytic(self) -> float:
+        """Expected tokens per round of rejection sampling from the measured TVs (:func:`analytic_tau`)."""
+        return analytic_tau(self.tv_per_round)
+
+
+def check_drafter(target, drafter) -> tuple[list[int], str]:
+    """``(target_layer_ids, aux_stream)`` after the checks that must pass before a block is drafted."""
+    if not isinstance(drafter, DSparkDrafter):
+        raise TypeError(f"block speculative decoding takes a DSparkDrafter, got {type(drafter).__name__}")
+    ids, stream = resolve_block_taps(target, drafter.config)
+    target_dtype, draft_dtype = target.lm_head.weight.dtype, drafter.context_proj.weight.dtype
+    if target_dtype != draft_dtype:
+        raise ValueError(
+            f"the DSpark drafter is {draft_dtype} but the target is {target_dtype}: the drafter reads the target's "
+            "embedding and lm_head, cast one to the other's dtype"
+        )
+    return ids, stream
+
+
+def check_num_draft_tokens(num_draft_tokens: int | None, block_size: int) -> int:
+    """K: ``None`` = the block size g; an int in ``[1, g]``."""
+    if num_draft_tokens is None:
+        return block_size
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
+        raise TypeError(f"num_draft_tokens must be an int or None (the block size), got {num_draft_tokens!r}")
+    if not 1 <= num_draft_tokens <= block_size:
+        raise ValueError(
+            f"num_draft_tokens must be in [1, {block_size}] (the drafter's block_size: one block drafts at most g "
+            f"tokens), got {num_draft_tokens}"
+        )
+    return num_draft_tokens
+
+
+def total_variation(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float) -> list[float]:
+    """½‖softmax(z_d / t) − softmax(z_t / t)‖₁ per row of ``[K, V]`` logits, fp32; t = ``temperature`` (1 at 0)."""
+    t = temperature if temperature > 0 else 1.0
+    q = torch.softmax(draft_logits.float() / t, dim=-1)
+    p = torch.softmax(target_logits.float() / t, dim=-1)
+    return (0.5 * (p - q).abs().sum(-1)).tolist()
+
+
+@torch.no_grad()
+def block_speculative_generate(
+    target,
+    drafter: DSparkDrafter,
+    prompt_ids,
+    max_new_tokens: int = 64,
+    num_draft_tokens: int | None = None,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    *,
+    stop_token_ids: Iterable[int] | None = None,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+) -> BlockSpeculativeOutput:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with ``drafter`` proposing blocks of
+    ``num_draft_tokens`` (None = its block size) and ``target`` verifying them (module docstring). Lossless: the
+    target's greedy output at ``temperature=0``, its sampling distribution at ``temperature > 0``.
+
+    The taps and stream are the drafter's recorded ``target_layer_ids`` / ``aux_hidden_state_stream``.
+    ``stop_token_ids`` end generation after the first stop token emitted (kept in ``tokens``). ``prefill_chunk``:
+    prompt tokens per prefill forward (None = the whole prompt in one forward). Batch of one prompt.
+    """
+    check_generation_settings(max_new_tokens, temperature, prefill_chunk)
+    ids, stream = check_drafter(target, drafter)
+    K = check_num_draft_tokens(num_draft_tokens, drafter.config.block_size)
+    start = time.perf_counter()
+    session = IncrementalTarget(target, ids, stream)
+    device = session.device
+    prompt = as_prompt_tensor(prompt_ids, device)
+    gen = make_generator(seed, device)
+    stop = set(int(t) for t in (stop_token_ids or ()))
+    embed, lm_head = target.model.embed_tokens, target.lm_head
+    out = BlockSpeculativeOutput(tokens=[], accepted_per_round=[], num_draft_tokens=K)
+    if max_new_tokens == 0:
+        return out
+
+    # 0. the prefill, chunk by chunk; the cache is needed only when a round follows the first token
+    cache = DSparkContextCache(drafter)
+    drafting = max_new_tokens > 1
+    T = prompt.shape[1]
+    for begin, end in chunk_bounds(T, prefill_chunk):
+        t0 = time.perf_counter()
+        step = session.prefill_chunk(prompt[:, begin:end], begin, return_logits="last" if end == T else False)
+        t1 = time.perf_counter()
+        out.target_seconds += t1 - t0
+        if drafting:
+            cache.append(step.aux_hidden_states)
+            out.draft_seconds += time.perf_counter() - t1
+    token = pick_token(step.logits[0, -1], temperature, gen)
+    out.target_forwards = 1  # the prefill counts once, whatever its number of chunks
+    going = out.emit([token], stop, max_new_tokens)
+
+    while going:
+        # 1-2. one block anchored at the last verified token, K tokens through the Markov head
+        t0 = time.perf_counter()
+        anchor = prompt.new_tensor([token])
+        slots = drafter.propose_block(cache, anchor, embed)[:, :K]
+        draft = drafter.sample_block(slots, anchor, lm_head, temperature, gen)
+        drafted = draft.tokens[0]
+        # 3. one target forward over [anchor, d_1..d_K]; accept; roll back
+        t1 = time.perf_counter()
+        length = session.length
+        step = session.extend(torch.cat([anchor, drafted])[None])
+        logits = step.logits[0]
+        accepted, token = verify_drafts(drafted, draft.probs[0], logits, temperature, gen)
+        session.rollback(length + accepted + 1)
+        t2 = time.perf_counter()
+        out.target_forwards += 1
+        out.accepted_per_round.append(accepted)
+        out.tv_per_round.append(total_variation(draft.logits[0], logits[:K], temperature))  # a metric: untimed
+        # 4. the verified positions' target states join the context; c is the next anchor
+        t3 = time.perf_counter()
+        going = out.emit(drafted[:accepted].tolist() + [token], stop, max_new_tokens)
+        if going:
+            cache.append(step.aux_hidden_states[:, : accepted + 1])
+        out.draft_seconds += (t1 - t0) + (time.perf_counter() - t3)
+        out.target_seconds += t2 - t1
+    out.seconds = time.perf_counter() - start
+    return out
