@@ -202,7 +202,8 @@ def atomic_dir(
 
 def check_writable(folder: str | os.PathLike, what: str) -> None:
     """Refuse, before any work, an output ``folder`` this process cannot create or write into: a file in its place,
-    a read-only file system, no permission, no space. Probes the folder itself, or the nearest existing ancestor
+    a read-only file system, no permission, a full disk (whether the free space suffices is the writer's to say: the
+    dump checks its total). Probes the folder itself, or the nearest existing ancestor
     when it is still to be created (nothing is created by the check)."""
     folder = Path(folder).absolute()
     existing = next(p for p in [folder, *folder.parents] if p.exists())
@@ -219,6 +220,3 @@ def check_writable(folder: str | os.PathLike, what: str) -> None:
     finally:
         with contextlib.suppress(OSError):
             probe.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        if shutil.disk_usage(existing).free < LOW_SPACE_BYTES:
-            raise OutputWriteError(f"{what} {folder}: {WRITE_REFUSALS[errno.ENOSPC]}")

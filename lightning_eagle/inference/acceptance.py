@@ -35,13 +35,13 @@ from typing import Any
 import torch
 
 from lightning_eagle.data.prompts import resolve_prompts
+from lightning_eagle.inference.draft_families import generate_for
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from lightning_eagle.inference.plain import plain_generate
 from lightning_eagle.inference.speculative import (
     DEFAULT_NUM_DRAFT_TOKENS,
     SpeculativeOutput,
     VerificationRounds,
-    speculative_generate,
 )
 from lightning_eagle.settings import check_positive_int_or_none
 
@@ -271,18 +271,17 @@ def evaluate_acceptance(
     if hasattr(draft, "eval"):
         draft.eval()
     common = {"stop_token_ids": stop_token_ids, "prefill_chunk": prefill_chunk, "top_p": top_p}
+    generate = generate_for(draft)  # chains for EAGLE-3, blocks for DSpark
     try:
         if warmup:
-            speculative_generate(target, draft, prompts[0], 4, K, temperature, seed, aux_layer_ids, **common)
+            generate(target, draft, prompts[0], 4, K, temperature, seed, aux_layer_ids, **common)
             if compare_plain:
                 plain_generate(target, prompts[0], 4, temperature, seed, **common)
         outputs: list[tuple[int, SpeculativeOutput]] = []
         plain = {"tokens": 0, "seconds": 0.0, "forwards": 0}
         mismatches = 0
         for i, prompt in enumerate(prompts):
-            out = speculative_generate(
-                target, draft, prompt, max_new_tokens, K, temperature, seed + i, aux_layer_ids, **common
-            )
+            out = generate(target, draft, prompt, max_new_tokens, K, temperature, seed + i, aux_layer_ids, **common)
             outputs.append((len(prompt), out))
             if compare_plain:
                 ref = plain_generate(target, prompt, max_new_tokens, temperature, seed + i, **common)

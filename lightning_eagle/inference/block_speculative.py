@@ -125,6 +125,7 @@ def block_speculative_generate(
     *,
     stop_token_ids: Iterable[int] | None = None,
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+    top_p: float = 1.0,
 ) -> BlockSpeculativeOutput:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with ``drafter`` proposing blocks of
     ``num_draft_tokens`` (None = its block size) and ``target`` verifying them (module docstring). Lossless: the
@@ -132,9 +133,11 @@ def block_speculative_generate(
 
     The taps and stream are the drafter's recorded ``target_layer_ids`` / ``aux_hidden_state_stream``.
     ``stop_token_ids`` end generation after the first stop token emitted (kept in ``tokens``). ``prefill_chunk``:
-    prompt tokens per prefill forward (None = the whole prompt in one forward). Batch of one prompt.
+    prompt tokens per prefill forward (None = the whole prompt in one forward). ``top_p`` (temperature > 0): the target
+    law is its top-p nucleus; the Markov head samples its own law (rejection sampling is lossless whatever the
+    proposal). Batch of one prompt.
     """
-    check_generation_settings(max_new_tokens, temperature, prefill_chunk)
+    check_generation_settings(max_new_tokens, temperature, prefill_chunk, top_p)
     ids, stream = check_drafter(target, drafter)
     K = check_num_draft_tokens(num_draft_tokens, drafter.config.block_size)
     start = time.perf_counter()
@@ -160,7 +163,7 @@ def block_speculative_generate(
         if drafting:
             cache.append(step.aux_hidden_states)
             out.draft_seconds += time.perf_counter() - t1
-    token = pick_token(step.logits[0, -1], temperature, gen)
+    token = pick_token(step.logits[0, -1], temperature, gen, top_p)
     out.target_forwards = 1  # the prefill counts once, whatever its number of chunks
     going = out.emit([token], stop, max_new_tokens)
 
@@ -176,7 +179,7 @@ def block_speculative_generate(
         length = session.length
         step = session.extend(torch.cat([anchor, drafted])[None])
         logits = step.logits[0]
-        accepted, token = verify_drafts(drafted, draft.probs[0], logits, temperature, gen)
+        accepted, token = verify_drafts(drafted, draft.probs[0], logits, temperature, gen, top_p)
         session.rollback(length + accepted + 1)
         t2 = time.perf_counter()
         out.target_forwards += 1

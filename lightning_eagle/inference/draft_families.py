@@ -3,8 +3,10 @@
 A family recognises its exports by their ``config.json`` and loads one as an object
 :func:`~lightning_eagle.inference.speculative_generate` drafts with (a draft model, or any
 :class:`~lightning_eagle.inference.draft_runner.Drafter`). Today the one family is EAGLE-3 (chain drafting, both
-draft architectures and NeMo Automodel exports: ``architectures`` names an EAGLE-3 head). A block drafter (DSpark)
-plugs in with :func:`register_draft_family` and needs nothing else of the acceptance command.
+draft architectures and NeMo Automodel exports: ``architectures`` names an EAGLE-3 head) and DSpark (block drafting,
+vLLM's ``K3DSparkModel`` layout). Each family also names its decoding loop (``generate``, with
+:func:`~lightning_eagle.inference.speculative_generate`'s signature), which :func:`generate_for` picks for a loaded
+draft.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class DraftFamily:
     name: str
     recognizes: Callable[[dict[str, Any]], bool]
     load: Callable[[Path, Any, torch.dtype, str], Any]
+    generate: Callable[..., Any] | None = None  # None: speculative_generate (chain drafting)
+    is_draft: Callable[[Any], bool] | None = None  # which loaded objects are this family's (for generate_for)
 
 
 DRAFT_FAMILIES: dict[str, DraftFamily] = {}
@@ -88,4 +92,44 @@ def _load_eagle3(folder: Path, target, dtype: torch.dtype, device: str):
     )
 
 
+def _is_dspark(config_json: dict[str, Any]) -> bool:
+    from lightning_eagle.draft.dspark_export import DSPARK_ARCHITECTURE
+
+    names = config_json.get("architectures") or []
+    return isinstance(names, list) and DSPARK_ARCHITECTURE in names
+
+
+def _load_dspark(folder: Path, target, dtype: torch.dtype, device: str):
+    from lightning_eagle.draft.dspark_export import load_dspark_export
+
+    return load_dspark_export(folder, dtype).to(device)
+
+
+def _block_generate(target, drafter, prompt_ids, max_new_tokens=64, num_draft_tokens=None, temperature=0.0,
+                    seed=None, aux_layer_ids=None, **options):  # fmt: skip
+    from lightning_eagle.inference.block_speculative import block_speculative_generate
+
+    if aux_layer_ids is not None:  # a block drafter's taps are its config's target_layer_ids, nothing else
+        raise ValueError(f"aux_layer_ids={aux_layer_ids!r}: a DSpark drafter taps its own target_layer_ids")
+    return block_speculative_generate(target, drafter, prompt_ids, max_new_tokens, num_draft_tokens, temperature,
+                                      seed, **options)  # fmt: skip
+
+
+def _is_dspark_drafter(draft: Any) -> bool:
+    from lightning_eagle.draft.dspark import DSparkDrafter
+
+    return isinstance(draft, DSparkDrafter)
+
+
+def generate_for(draft: Any) -> Callable[..., Any]:
+    """The decoding loop of ``draft``'s family (chains for anything no family claims: any Drafter object)."""
+    from lightning_eagle.inference.speculative import speculative_generate
+
+    for family in DRAFT_FAMILIES.values():
+        if family.is_draft is not None and family.generate is not None and family.is_draft(draft):
+            return family.generate
+    return speculative_generate
+
+
 register_draft_family(DraftFamily("eagle3", _is_eagle3, _load_eagle3))
+register_draft_family(DraftFamily("dspark", _is_dspark, _load_dspark, _block_generate, _is_dspark_drafter))

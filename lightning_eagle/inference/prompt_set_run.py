@@ -21,8 +21,9 @@ import torch
 
 from lightning_eagle.data.prompt_sets import PromptSet
 from lightning_eagle.inference.acceptance import AcceptanceReport
+from lightning_eagle.inference.draft_families import generate_for
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK
-from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS, SpeculativeOutput, speculative_generate
+from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS, SpeculativeOutput
 
 # A generated long context lies this many tokens below its nominal length at most (long_corpus needs >= 512).
 CONTEXT_LENGTH_SLACK = 512
@@ -58,6 +59,7 @@ def evaluate_prompt_set(
     common = {"stop_token_ids": [] if eos is None else [eos], "prefill_chunk": prefill_chunk, "top_p": top_p}
     vocab = target.config.vocab_size
     outputs: list[tuple[int, SpeculativeOutput]] = []
+    generate = generate_for(draft)  # chains for EAGLE-3, blocks for DSpark
     was_training = bool(getattr(draft, "training", False))
     if was_training:  # a draft in training (the callback's) decodes in eval mode and goes back after
         draft.eval()
@@ -70,8 +72,8 @@ def evaluate_prompt_set(
                 if max(prompt) >= vocab:
                     raise ValueError(f"prompt token id {max(prompt)} >= target vocab_size {vocab}: tokenizer and "
                                      "target differ")  # fmt: skip
-                out = speculative_generate(target, draft, prompt, max_new_tokens, num_draft_tokens, temperature,
-                                           seed + len(outputs), aux_layer_ids, **common)  # fmt: skip
+                out = generate(target, draft, prompt, max_new_tokens, num_draft_tokens, temperature,
+                               seed + len(outputs), aux_layer_ids, **common)  # fmt: skip
                 outputs.append((len(prompt), out))
                 answer = split_k3_response(out.tokens, tokenizer, options["thinking"])
                 messages.append(

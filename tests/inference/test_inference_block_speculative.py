@@ -19,6 +19,7 @@ from lightning_eagle.inference.acceptance import AcceptanceReport
 from lightning_eagle.inference.block_acceptance import evaluate_block_acceptance
 from lightning_eagle.inference.block_speculative import analytic_tau, block_speculative_generate
 from lightning_eagle.inference.plain import plain_generate
+from lightning_eagle.inference.sampling import nucleus
 from lightning_eagle.k3 import KimiK3ForCausalLM
 from lightning_eagle.k3.capture import capture_taps
 from lightning_eagle.k3.loader import QUICKSTART_TARGET
@@ -157,7 +158,7 @@ V, TEMPERATURE, SAMPLES, NEW = 3, 0.8, 400, 4
 # (a subtle one; p-value about 1e-9 at 200 samples on these seeds).
 
 
-def sampled_law(monkeypatch, broken=None, samples=SAMPLES):
+def sampled_law(monkeypatch, broken=None, samples=SAMPLES, top_p=1.0):
     """Counts of the first NEW tokens over ``samples`` seeds (x1 from the prefill, x2..x4 from rounds of K = 3
     drafts), the target's exact law of them, and every round's acceptance and first-position TV."""
     target = make_target("k3-tiny-trailing-mla", seed=11, vocab_size=V, lm_head_scale=6.0)
@@ -170,6 +171,7 @@ def sampled_law(monkeypatch, broken=None, samples=SAMPLES):
         probs = torch.softmax(
             target(torch.tensor([prompt + list(x) for x in prefixes])).logits[:, -NEW:] / TEMPERATURE, -1
         )
+        probs = nucleus(probs.double(), top_p).float()  # the target law the cards sample: its top-p nucleus
     law = torch.zeros((V,) * NEW)
     for row, prefix in enumerate(prefixes):
         law[prefix] = probs[row, -1] * torch.prod(torch.stack([probs[row, k, prefix[k]] for k in range(NEW - 1)]))
@@ -177,7 +179,7 @@ def sampled_law(monkeypatch, broken=None, samples=SAMPLES):
         monkeypatch.setattr("lightning_eagle.inference.sampling.rejection_verify", broken)
     counts, rounds = torch.zeros((V,) * NEW), []
     for s in range(samples):
-        out = block_speculative_generate(target, drafter, prompt, NEW, temperature=TEMPERATURE, seed=s)
+        out = block_speculative_generate(target, drafter, prompt, NEW, temperature=TEMPERATURE, seed=s, top_p=top_p)
         counts[tuple(out.tokens)] += 1
         rounds += [(a, tvs[0]) for a, tvs in zip(out.accepted_per_round, out.tv_per_round)]
     return counts, law, rounds
@@ -194,6 +196,15 @@ def test_sampled_tokens_follow_the_target_law(monkeypatch):
     expected = torch.tensor([1 - tv for _, tv in rounds], dtype=torch.float64)
     error = 4 * (expected * (1 - expected)).mean().sqrt() / len(rounds) ** 0.5
     assert abs(float(hit.mean() - expected.mean())) < error
+
+
+def test_sampled_tokens_follow_the_top_p_target_law(monkeypatch):
+    """With top-p the target law is its nucleus (here often one or two of the three tokens): a token outside it
+    sampled even once makes the p-value 0; the Markov head's proposals are not truncated, rejection removes them."""
+    counts, law, _ = sampled_law(monkeypatch, top_p=0.75)
+    assert (law == 0).any()  # the nucleus does cut: the test can see a token sampled outside it
+    assert float(counts[law == 0].sum()) == 0
+    assert chi_square_pvalue(counts, law) > 1e-3
 
 
 @pytest.mark.parametrize("broken, samples", [(always_accept, 40), (residual_from_p, SAMPLES // 2)])

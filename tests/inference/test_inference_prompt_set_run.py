@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from eagle_helpers import eagle_module
-from inference_helpers import draft_for_target, make_target
+from inference_helpers import draft_for_target, dspark_for_target, make_target
 
 from lightning_eagle.data import synthetic_k3_tokenizer
 from lightning_eagle.data.prompt_sets import PromptSet
@@ -134,6 +135,27 @@ def test_cli_acceptance_subcommand_prints_the_table_and_writes_json_and_png(expo
     assert long["context_length"] == 1024 and long["beyond_max_position"]  # the tiny target declares 256
     assert 1024 - 2 * prompt_set_run.CONTEXT_LENGTH_SLACK < long["prompt_tokens"] <= 1024
     assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_dspark_export_is_measured_with_block_drafting(exported, tmp_path, capsys):
+    """The family is read from the export: vLLM's K3DSparkModel layout decodes through the block loop (greedy output
+    equal to the target's own, per-position rates over the block)."""
+    from lightning_eagle.commands.cli import main
+    from lightning_eagle.draft.dspark_export import export_dspark_draft
+
+    target_dir, _ = exported
+    drafter = dspark_for_target(make_target(seed=32, **SYNTHETIC), seed=3, block_size=3, target_layer_ids=[0, 1])
+    draft_dir = export_dspark_draft(drafter, tmp_path / "dspark", dtype=torch.float32)
+    out = tmp_path / "report"
+    main(["acceptance", "--target", str(target_dir), "--draft", str(draft_dir), "--benchmarks", "humaneval",
+          "--max-prompts", "2", "--max-new-tokens", "6", "--num-draft-tokens", "3", "--temperature", "0",
+          "--out", str(out), "--threads", "1"])  # fmt: skip
+    record = json.loads((out / "acceptance.json").read_text())
+    assert record["draft_family"] == "dspark"
+    humaneval = record["sets"]["humaneval"]
+    assert humaneval["prompts"] == 2 and len(humaneval["acceptance_per_position"]) == 3
+    assert 1 <= humaneval["mean_acceptance_length"] <= 4
+    assert "| humaneval |" in capsys.readouterr().out
 
 
 def test_draft_family_is_read_from_the_export(exported, tmp_path):

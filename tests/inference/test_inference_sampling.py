@@ -63,7 +63,7 @@ def emitted_distribution(verify, trials=4000, seed=0):
     return first, p[0], second, p[1]
 
 
-def residual_from_p(draft_tokens, draft_probs, target_logits, temperature, generator):
+def residual_from_p(draft_tokens, draft_probs, target_logits, temperature, generator, top_p=1.0):
     """A classic bug: resample from p instead of the residual max(p − q, 0) after a rejection."""
     p = sampling.target_probs(target_logits, temperature)
     for j, x in enumerate(draft_tokens.tolist()):
