@@ -534,7 +534,9 @@ class _Interrupt(BaseException):
     """Stands in for a kill: not an Exception, so nothing treats it as bad data."""
 
 
-def test_resume_after_interrupt_reuses_completed_chunks(tmp_path, k3_tok, monkeypatch):
+def _interrupted_build(tmp_path, k3_tok, monkeypatch):
+    """A 30-row build in chunks of 5 killed while encoding row 17: chunks 0-2 complete on disk. Returns the file, the
+    uninterrupted reference, the cache folder and a recorder of the rows encoded by the next build."""
     path = write_jsonl(tmp_path / "c.jsonl", generate_synthetic_corpus(30, seed=2))
     reference = build([path], k3_tok)
     cache = tmp_path / "cache"
@@ -550,14 +552,18 @@ def test_resume_after_interrupt_reuses_completed_chunks(tmp_path, k3_tok, monkey
     monkeypatch.setattr(encoding.RowEncoder, "__call__", dying)
     with pytest.raises(_Interrupt):
         build([path], k3_tok, cache_dir=cache, chunk_rows=5)
-    [key_dir] = cache.iterdir()
-    assert sorted(p.name for p in (key_dir / "chunks").iterdir()) == [f"chunk_{i:06d}.safetensors" for i in range(3)]
-    assert not (key_dir / "manifest.json").exists()
-
     calls.clear()
     monkeypatch.setattr(
         encoding.RowEncoder, "__call__", lambda self, job: calls.append(job.item.line) or real_call(self, job)
     )
+    return path, reference, cache, calls
+
+
+def test_resume_after_interrupt_reuses_completed_chunks(tmp_path, k3_tok, monkeypatch):
+    path, reference, cache, calls = _interrupted_build(tmp_path, k3_tok, monkeypatch)
+    [key_dir] = cache.iterdir()
+    assert sorted(p.name for p in (key_dir / "chunks").iterdir()) == [f"chunk_{i:06d}.safetensors" for i in range(3)]
+    assert not (key_dir / "manifest.json").exists()
     resumed = build([path], k3_tok, cache_dir=cache, chunk_rows=5)
     assert calls == list(range(16, 31))  # rows 1-15 (three chunks) were not tokenized again
     assert torch.equal(resumed.input_ids, reference.input_ids) and torch.equal(resumed.offsets, reference.offsets)
@@ -568,30 +574,11 @@ def test_resume_after_interrupt_reuses_completed_chunks(tmp_path, k3_tok, monkey
 def test_a_damaged_chunk_is_recomputed_never_merged(tmp_path, k3_tok, monkeypatch):
     """Issue 30: a chunk whose bytes changed (header intact, so it still parses) fails its checksum and is encoded
     again; before, its damaged tokens were merged into the cache and reused."""
-    path = write_jsonl(tmp_path / "c.jsonl", generate_synthetic_corpus(30, seed=2))
-    reference = build([path], k3_tok)
-    cache = tmp_path / "cache"
-    real_call = encoding.RowEncoder.__call__
-    calls = []
-
-    def dying(self, job):
-        calls.append(job.item.line)
-        if len(calls) == 17:
-            raise _Interrupt
-        return real_call(self, job)
-
-    monkeypatch.setattr(encoding.RowEncoder, "__call__", dying)
-    with pytest.raises(_Interrupt):
-        build([path], k3_tok, cache_dir=cache, chunk_rows=5)
+    path, reference, cache, calls = _interrupted_build(tmp_path, k3_tok, monkeypatch)
     [chunk] = cache.glob("*/chunks/chunk_000001.safetensors")
     raw = bytearray(chunk.read_bytes())
     raw[-1] ^= 0xFF  # the last byte of the last tensor's data
     chunk.write_bytes(bytes(raw))
-
-    calls.clear()
-    monkeypatch.setattr(
-        encoding.RowEncoder, "__call__", lambda self, job: calls.append(job.item.line) or real_call(self, job)
-    )
     resumed = build([path], k3_tok, cache_dir=cache, chunk_rows=5)
     assert calls == [*range(6, 11), *range(16, 31)]  # chunk 1 (rows 6-10) again, chunks 0 and 2 reused
     assert torch.equal(resumed.input_ids, reference.input_ids) and torch.equal(resumed.loss_mask, reference.loss_mask)
