@@ -32,6 +32,7 @@ import torch
 from typing_extensions import override
 
 from lightning_eagle.data.prompts import prompts_from_datamodule
+from lightning_eagle.draft.dspark_config import DSparkDraftConfig
 from lightning_eagle.inference.acceptance import capped_prompts, check_max_prompt_tokens, evaluate_acceptance
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 
@@ -117,6 +118,15 @@ class AcceptanceCallback(pl.Callback):
         self._prompts: list[list[int]] | None = None
         self.last_report = None
         self.target_path, self._target = target, None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if isinstance(getattr(pl_module, "draft_config", None), DSparkDraftConfig):
+            raise ValueError(
+                "AcceptanceCallback decodes EAGLE-3 drafts step by step; a DSpark module's val/tau_real needs block "
+                "speculative decoding (not in this callback): remove AcceptanceCallback from trainer.callbacks of a "
+                "DSpark run (its val/tau_sim is logged by the module)"
+            )
 
     def prompts(self, trainer: pl.Trainer) -> list[list[int]]:
         if self._prompts is None:
