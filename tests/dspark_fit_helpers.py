@@ -27,10 +27,18 @@ class StopAtStep(Callback):
 
 
 def dspark_config(
-    tmp_path: Path, name: str, *, max_steps: int, validate: bool = True, every: int = 2, stop_at: int | None = None
+    tmp_path: Path,
+    name: str,
+    *,
+    max_steps: int,
+    validate: bool = True,
+    every: int = 2,
+    stop_at: int | None = None,
+    export_dtype: str = "float32",
 ) -> Path:
     """The quickstart DSpark config shrunk for a test: short rows, 2 rows a batch, 16 anchors, a checkpoint every
-    ``every`` steps (all kept), the export in fp32 (exact comparisons), everything under ``tmp_path / name``."""
+    ``every`` steps (all kept), the export in ``export_dtype`` (fp32: exact comparisons), everything under
+    ``tmp_path / name``."""
     config = yaml.safe_load(QUICKSTART_DSPARK.read_text())
     trainer = config["trainer"]
     trainer.update(max_steps=max_steps, enable_progress_bar=False, default_root_dir=str(tmp_path / name),
@@ -39,7 +47,7 @@ def dspark_config(
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
          "init_args": {"every_n_train_steps": every, "save_top_k": -1, "save_last": True}},
         {"class_path": "lightning_eagle.training.export_callback.ExportDraftCallback",
-         "init_args": {"use_best": False, "dtype": "float32"}},
+         "init_args": {"use_best": False, "dtype": export_dtype}},
     ]  # fmt: skip
     if stop_at is not None:
         trainer["callbacks"].append({"class_path": "dspark_fit_helpers.StopAtStep", "init_args": {"step": stop_at}})

@@ -36,6 +36,14 @@ def refuse_unsupported_run(module, stage: str) -> None:
 def refuse_unsupported_dspark_run(module, stage: str) -> None:
     """Raise ``ValueError`` naming the setting for a run the DSpark ``module`` cannot train as configured."""
     refuse_unsupported_target_run(module)
+    datamodule = getattr(module.trainer, "datamodule", None)
+    draft_vocab = getattr(datamodule, "draft_vocab_size", None)
+    if draft_vocab is not None and draft_vocab < module.draft_config.vocab_size:
+        raise ValueError(
+            f"data.draft_vocab_size={draft_vocab}: a DSpark draft predicts over the target's whole vocabulary "
+            f"({module.draft_config.vocab_size}, its LM head is the target's; vLLM refuses a draft vocabulary): "
+            "leave data.draft_vocab_size unset"
+        )
     size = module.placement.draft_sequence_parallel_size
     if size > 1:
         raise ValueError(
