@@ -36,7 +36,7 @@ from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.errors import DEBUG_ENV, RunError, debug_requested
 from lightning_eagle.run_settings import MODEL_GROUPS, refuse_flat_model_keys
 from lightning_eagle.training.draft_training import DraftTrainingModule
-from lightning_eagle.training.dspark_module import DSparkModule
+from lightning_eagle.training.dspark_module import DSparkModule  # noqa: F401  (`model.class_path: DSparkModule`)
 from lightning_eagle.training.module import Eagle3Module
 from lightning_eagle.training.preemption import PreemptionCheckpoint
 from lightning_eagle.training.progress import StepProgressBar
@@ -44,8 +44,6 @@ from lightning_eagle.training.run_folder import RunFolderGuard
 from lightning_eagle.training.summary import fit_summary
 
 _CHAT_DATA = "lightning_eagle.data.datamodule.ChatDataModule"
-# `model.class_path` picks the draft family; a config without one trains EAGLE-3 (every config before DSpark).
-MODEL_FAMILIES = {kind.__name__: f"{kind.__module__}.{kind.__name__}" for kind in (Eagle3Module, DSparkModule)}
 # Commands that are not Trainer methods: name -> (module under lightning_eagle.commands, --help line, whether its
 # `main` builds a LightningCLI and so needs to know if the words came from sys.argv). `main` runs them before
 # LightningCLI parses anything.
@@ -68,7 +66,7 @@ USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, IsADire
 class Eagle3CLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # `data:` is a ChatDataModule unless it names another class (HiddenStateDataModule for dumped features).
-        # (`model:` is an Eagle3Module unless it names another family: `with_model_family` says so in the words.)
+        # (`model:` is an Eagle3Module unless it names another family: `run_classes`.)
         parser.set_defaults({"trainer.precision": "32-true", "data": {"class_path": _CHAT_DATA}})
 
     def _add_subcommands(self, parser, **kwargs) -> None:
@@ -123,10 +121,17 @@ def _has(callbacks: list, kind: type) -> bool:
     return any(isinstance(c, kind) for c in callbacks)
 
 
-# What every run config describes: a draft family's module (`model.class_path`, Eagle3Module unless named) and any
-# LightningDataModule (`data.class_path`).
-RUN_CLASSES = {"model_class": DraftTrainingModule, "subclass_mode_model": True,
-               "datamodule_class": LightningDataModule, "subclass_mode_data": True}  # fmt: skip
+# What every run config describes: a draft family's module and any LightningDataModule (`data.class_path`). A config
+# naming no `model.class_path` is an Eagle3Module's (every config before DSpark, parsed exactly as then); one that names
+# a family is parsed in subclass mode over the families' base class.
+_DATA_CLASSES = {"datamodule_class": LightningDataModule, "subclass_mode_data": True}
+RUN_CLASSES = {"model_class": Eagle3Module, **_DATA_CLASSES}
+FAMILY_RUN_CLASSES = {"model_class": DraftTrainingModule, "subclass_mode_model": True, **_DATA_CLASSES}
+
+
+def run_classes(words: list[str]) -> dict:
+    """The LightningCLI classes of the run ``words`` describe (:data:`RUN_CLASSES` unless they name a family)."""
+    return FAMILY_RUN_CLASSES if model_class_path(words) is not None else RUN_CLASSES
 
 
 def _config_files(words: list[str]) -> list[Path]:
@@ -151,15 +156,6 @@ def model_class_path(words: list[str]) -> str | None:
             if isinstance(model, dict) and isinstance(model.get("class_path"), str):
                 found = model["class_path"]
     return found
-
-
-def with_model_family(words: list[str]) -> list[str]:
-    """``words`` with ``--model.class_path`` of EAGLE-3 in front of the config options unless they name a family.
-    (A parser default would be merged with the init_args of a family named later, whose groups differ.)"""
-    if model_class_path(words) is not None:
-        return list(words)
-    at = 1 if words and not words[0].startswith("-") else 0  # after the subcommand
-    return [*words[:at], f"--model.class_path={MODEL_FAMILIES['Eagle3Module']}", *words[at:]]
 
 
 def refuse_flat_settings(words: list[str]) -> None:
@@ -191,11 +187,10 @@ def refuse_flat_settings(words: list[str]) -> None:
 
 def make_cli(words: list[str], from_sys_argv: bool, run: bool = True) -> Eagle3CLI:
     refuse_flat_settings(words)
-    words = with_model_family(words)
     if from_sys_argv:  # LightningCLI warns when given `args` while sys.argv has arguments too
         sys.argv[1:] = words
     return Eagle3CLI(
-        **RUN_CLASSES,
+        **run_classes(words),
         run=run,
         args=None if from_sys_argv else words,
         save_config_kwargs={"overwrite": True},

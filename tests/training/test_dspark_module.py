@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from dspark_fit_helpers import cli, dspark_config
 from safetensors.torch import load_file
 
@@ -201,3 +202,37 @@ def test_the_command_line_picks_the_family(tmp_path):
     assert isinstance(cli_.model, DSparkModule) and cli_.model.objective.num_anchors == 8
     with pytest.raises(ValueError, match="model.draft.block_size is now model.draft.config.block_size"):
         make_cli(["--config", str(config), "--model.draft.block_size", "7"], False, run=False)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--model.objective.num_anchors", "abc"], 'Parser key "model.objective.num_anchors": Expected a <class'),
+        (["--model.objective.num_anchors", "0"], "model.objective.num_anchors must be an integer > 0, got 0"),
+        (["--model.draft.block_size", "3"], "model.draft.block_size is now model.draft.config.block_size"),
+    ],
+)
+def test_a_bad_dspark_option_is_one_error_line_naming_it(tmp_path, capsys, option, message):
+    from lightning_eagle.commands.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(dspark_config(tmp_path, "bad", max_steps=1)), *option])
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("error:")] and message in err
+    assert "Traceback" not in err and len([line for line in err.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_the_real_k3_dspark_config_parses_and_the_plan_refuses_it_by_name(capsys):
+    from lightning_eagle.commands.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "kimi_k3_dspark", "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    model = printed["model"]
+    assert model["class_path"].endswith("DSparkModule")
+    assert model["init_args"]["target"]["aux_layer_ids"] == [1, 23, 45, 67, 89]
+    assert model["init_args"]["draft"]["preset"] == "k3" and model["init_args"]["objective"]["num_anchors"] == 512
+    assert printed["trainer"]["strategy"]["class_path"].endswith("ExpertParallelStrategy")
+    with pytest.raises(SystemExit):
+        main(["memory-plan", "--config", "kimi_k3_dspark", "--gpu-gb", "80", "--target-config", "k3"])
+    assert "model.class_path" in capsys.readouterr().err
