@@ -141,8 +141,9 @@ class DSparkModule(DraftTrainingModule):
             return
         device, settings = root_device(self), self.draft_settings
         self.source = target_source(self, self.target_spec, self.target_settings, device)
-        weight = self.source.embedding()
-        self._embedding = (weight.full_tensor() if is_sharded(weight) else weight).detach()
+        weight = self.source.embedding()  # whole and in the drafter's dtype (the target's tensor itself if it is)
+        weight = (weight.full_tensor() if is_sharded(weight) else weight).detach()
+        self._embedding = weight.to(dtype=DTYPES[settings.dtype])
         draft = build_on_meta(self._build_draft)
         self.draft = materialize(draft, device, DTYPES[settings.dtype], settings.init_seed)
 
@@ -162,7 +163,7 @@ class DSparkModule(DraftTrainingModule):
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         anchors, keep = sample_anchors(loss_mask, self.objective.num_anchors, generator)
         blocks = block_targets(input_ids, loss_mask, anchors, keep, self.block_size)
-        embedding = self._embedding.to(dtype=DTYPES[self.draft_settings.dtype])
+        embedding = self._embedding
         dtype = embedding.dtype
         slot_hidden = self.draft(context.to(dtype), input_ids, anchors, keep, lambda ids: F.embedding(ids, embedding))
         rows = supervised_rows(blocks, slot_hidden, final_hidden)

@@ -152,6 +152,9 @@ def test_quickstart_dspark_fits_validates_and_exports(tmp_path):
     assert drafter.config.target_layer_ids == [1, 3, 4] and drafter.config.block_size == 4
     ckpt = root / "checkpoints" / "last.ckpt"
     assert torch.load(ckpt, weights_only=False)["global_step"] == 4
+    validated = cli(tmp_path, "validate", "--config", str(dspark_config(tmp_path, "run", max_steps=4)),
+                    "--ckpt_path", str(ckpt))  # fmt: skip
+    assert "val/tau_sim" in validated
 
     printed = cli(tmp_path, "export", str(ckpt), str(tmp_path / "exported"), "--dtype", "float32")
     serve = next(line for line in printed.splitlines() if "vllm serve" in line)
@@ -236,3 +239,11 @@ def test_the_real_k3_dspark_config_parses_and_the_plan_refuses_it_by_name(capsys
     with pytest.raises(SystemExit):
         main(["memory-plan", "--config", "kimi_k3_dspark", "--gpu-gb", "80", "--target-config", "k3"])
     assert "model.class_path" in capsys.readouterr().err
+
+
+def test_the_eagle3_acceptance_callback_refuses_a_dspark_run():
+    from lightning_eagle.inference.callback import AcceptanceCallback
+
+    module = DSparkModule(TINY_TARGET, TINY_DRAFT)
+    with pytest.raises(ValueError, match="AcceptanceCallback decodes EAGLE-3 drafts"):
+        AcceptanceCallback().setup(None, module, "fit")
