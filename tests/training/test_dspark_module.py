@@ -6,6 +6,7 @@ same drafter with the ``vllm serve`` line; ``--ckpt_path last`` continues exactl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -247,3 +248,41 @@ def test_the_eagle3_acceptance_callback_refuses_a_dspark_run():
     module = DSparkModule(TINY_TARGET, TINY_DRAFT)
     with pytest.raises(ValueError, match="AcceptanceCallback decodes EAGLE-3 drafts"):
         AcceptanceCallback().setup(None, module, "fit")
+
+
+def test_one_offline_step_equals_the_online_step(tmp_path):
+    """The DSpark step from an fp32 dump (``cli.py dump`` of the same config: taps, post-norm teacher through the
+    target's own final norm) equals the step against the online target, in value and gradients."""
+    import lightning.pytorch as pl
+    from eagle_helpers import data_kwargs
+
+    from lightning_eagle.data.datamodule import ChatDataModule
+    from lightning_eagle.features import HiddenStateDataModule
+    from lightning_eagle.features.dump import dump_features
+
+    data = data_kwargs(batch_size=2, max_length=96, draft_vocab_size=None)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path))  # fmt: skip
+    online = _module("plain")
+    features = dump_features(online.target_spec, ChatDataModule(**data), tmp_path / "features", trainer,
+                             dtype="float32", shard_rows=64)  # fmt: skip
+    chats, dumped = ChatDataModule(**data), HiddenStateDataModule(str(features), batch_size=2)
+    chats.setup("fit")
+    dumped.setup("fit")
+    online_batch, offline_batch = next(iter(chats.train_dataloader())), next(iter(dumped.train_dataloader()))
+    for key in ("input_ids", "attention_mask", "loss_mask"):
+        assert torch.equal(online_batch[key], offline_batch[key]), key
+    objective = DSparkObjectiveSettings(num_anchors=12, loss_backend="plain")
+    offline = DSparkModule(dataclasses.replace(TINY_TARGET, source="features"), TINY_DRAFT, objective)
+    trainer.datamodule = dumped  # the module reads the manifest through trainer.datamodule
+    offline._trainer = trainer
+    offline.configure_model()
+    results = []
+    for module, batch in ((online, online_batch), (offline, offline_batch)):
+        loss = module.shared_step(batch, anchor_generator(0, 0, 0))[0].loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in module.draft.named_parameters()}))
+    (loss_on, grads_on), (loss_off, grads_off) = results
+    torch.testing.assert_close(loss_off, loss_on, rtol=1e-5, atol=1e-6)
+    for name, grad in grads_on.items():
+        torch.testing.assert_close(grads_off[name], grad, rtol=1e-4, atol=1e-6, msg=name)
