@@ -22,6 +22,7 @@ _EXPORTS = {
     "KimiK3Eagle3Draft": "lightning_eagle.draft",
     "export_draft": "lightning_eagle.draft",
     "Eagle3Module": "lightning_eagle.training.module",
+    "DSparkModule": "lightning_eagle.training.dspark_module",
     "ChatDataModule": "lightning_eagle.data.datamodule",
     "ExpertParallelStrategy": "lightning_eagle.parallel.strategy",
     "ParallelLayout": "lightning_eagle.parallel.layout",
@@ -29,6 +30,8 @@ _EXPORTS = {
     "DraftSettings": "lightning_eagle.run_settings",
     "ObjectiveSettings": "lightning_eagle.run_settings",
     "OptimizationSettings": "lightning_eagle.run_settings",
+    "DSparkDraftSettings": "lightning_eagle.run_settings",
+    "DSparkObjectiveSettings": "lightning_eagle.run_settings",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -41,7 +44,15 @@ if TYPE_CHECKING:  # pragma: no cover — what IDEs and type checkers see; a tes
     from lightning_eagle.k3.presets import config_from_name
     from lightning_eagle.parallel.layout import ParallelLayout
     from lightning_eagle.parallel.strategy import ExpertParallelStrategy
-    from lightning_eagle.run_settings import DraftSettings, ObjectiveSettings, OptimizationSettings, TargetSettings
+    from lightning_eagle.run_settings import (
+        DraftSettings,
+        DSparkDraftSettings,
+        DSparkObjectiveSettings,
+        ObjectiveSettings,
+        OptimizationSettings,
+        TargetSettings,
+    )
+    from lightning_eagle.training.dspark_module import DSparkModule
     from lightning_eagle.training.module import Eagle3Module
 
 

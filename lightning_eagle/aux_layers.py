@@ -53,5 +53,6 @@ def validate_aux_layer_ids(aux_layer_ids, num_hidden_layers: int | None, count: 
         problems.append("ids must be distinct")
     if problems:
         target = f"a {L}-layer target" if L is not None else "a target of unknown depth"
-        raise ValueError(f"invalid EAGLE-3 aux_layer_ids {ids} for {target}: " + "; ".join(problems))
+        family = "EAGLE-3 " if count == 3 else ""  # count None: a drafter of any tap count (DSpark)
+        raise ValueError(f"invalid {family}aux_layer_ids {ids} for {target}: " + "; ".join(problems))
     return ids

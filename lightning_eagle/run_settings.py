@@ -196,6 +196,92 @@ class OptimizationSettings:
 
 MODEL_GROUPS = {"target": TargetSettings, "draft": DraftSettings, "objective": ObjectiveSettings,
                 "optimization": OptimizationSettings}  # fmt: skip
+
+DSPARK_KV_FORMS = ("latent", "expanded")
+# DSpark draft config fields that other settings own (the draft config is built from them and the target's config).
+DSPARK_CONFIG_ELSEWHERE = {
+    "target_layer_ids": "model.target.aux_layer_ids",
+    "aux_hidden_state_stream": "model.target.aux_stream",
+    "vocab_size": "the target's config.json (the embedding and LM head are the target's)",
+    "target_hidden_size": "the target's config.json",
+    "target_num_hidden_layers": "the target's config.json",
+}
+
+
+@dataclass(frozen=True)
+class DSparkDraftSettings:
+    """``model.draft`` of a DSpark run: the block drafter and how it is built and run.
+
+    ``preset``: the architecture to start from (``"k3"``: vLLM's K3 DSpark layout; ``"k3-tiny"``: the quickstart
+    target's), checked when the module builds the config; ``config``: its fields to override (``{"block_size": 7}``);
+    the taps, their stream, the vocabulary and the target's width and depth come from ``model.target``, never from
+    here. ``block_chunk``: anchors per attention call (None: all at once); ``kv_form``: ``"latent"`` keys (what vLLM
+    caches) or the ``"expanded"`` twin; ``init_seed``: the random init, the same on every rank; ``dtype``: the
+    training dtype.
+    """
+
+    preset: str = "k3"
+    config: dict[str, Any] | None = None
+    block_chunk: int | None = 64
+    kv_form: Literal[DSPARK_KV_FORMS] = "latent"
+    init_seed: int = 0
+    dtype: Literal[DRAFT_DTYPES] = "float32"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.preset, str) or not self.preset:
+            raise ValueError(f"model.draft.preset must be a DSpark preset name ('k3', 'k3-tiny'), got {self.preset!r}")
+        if self.config is not None and not isinstance(self.config, Mapping):
+            raise ValueError(f"model.draft.config must be a mapping of DSpark draft config fields, got {self.config!r}")
+        doubled = sorted(set(self.config or {}) & set(DSPARK_CONFIG_ELSEWHERE))
+        if doubled:
+            where = "; ".join(f"model.draft.config.{k}: set {DSPARK_CONFIG_ELSEWHERE[k]} instead" for k in doubled)
+            raise ValueError(f"{where} (a setting has one source of truth)")
+        object.__setattr__(self, "config", dict(self.config or {}))
+        check_positive_int_or_none("model.draft.block_chunk", self.block_chunk, "anchors per call", "all at once")
+        _choice("model.draft.kv_form", self.kv_form, DSPARK_KV_FORMS)
+        _choice("model.draft.dtype", self.dtype, DRAFT_DTYPES)
+        check_settings("model.draft", {"init_seed": (self.init_seed, "non_negative", int)})
+
+    def __hash__(self) -> int:  # `config` is a dict: hash what identifies the settings
+        return hash((self.preset, tuple(sorted(self.config.items(), key=str)), self.block_chunk, self.kv_form))
+
+
+@dataclass(frozen=True)
+class DSparkObjectiveSettings:
+    """``model.objective`` of a DSpark run: the anchored-block objective (`dspark.md`, "Training, as implemented").
+
+    ``num_anchors`` blocks sampled per row (the reference's 512); the term weights ``ce`` / ``l1`` / ``confidence``
+    and ``slot_decay`` (slot k weighs ``exp(-k / slot_decay)``); ``loss_backend``: ``"plain"`` (full ``[N,V]``
+    softmaxes), ``"chunked"`` (``loss_chunk`` rows of ``[*,V]`` at a time, forward and backward) or ``"auto"``;
+    ``anchor_seed``: the anchors of micro-batch s on rank r depend only on (anchor_seed, s, r), so a resumed run draws
+    what the uninterrupted one would have.
+    """
+
+    num_anchors: int = 512
+    ce: float = 0.1
+    l1: float = 0.9
+    confidence: float = 1.0
+    slot_decay: float = 4.0
+    loss_backend: str = "plain"
+    loss_chunk: int = DEFAULT_LOSS_CHUNK
+    anchor_seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_settings("model.objective", {
+            "num_anchors": (self.num_anchors, "positive", int), "ce": (self.ce, "non_negative", float),
+            "l1": (self.l1, "non_negative", float), "confidence": (self.confidence, "non_negative", float),
+            "slot_decay": (self.slot_decay, "positive", float), "loss_chunk": (self.loss_chunk, "positive", int),
+            "anchor_seed": (self.anchor_seed, "non_negative", int),
+        })  # fmt: skip
+        if self.ce == 0 and self.l1 == 0:
+            raise ValueError("model.objective: ce and l1 are both 0: nothing would train the drafter's distribution")
+        try:
+            backends.LOSS_BACKEND.check(self.loss_backend)
+        except ValueError as err:
+            raise ValueError(f"model.objective.loss_backend: {err}") from None
+
+
+DSPARK_MODEL_GROUPS = {**MODEL_GROUPS, "draft": DSparkDraftSettings, "objective": DSparkObjectiveSettings}
 # The flat ``model.*`` keys these groups replaced → their place now (refused, never mapped).
 FLAT_MODEL_KEYS = {
     "target_source": "model.target.source", "aux_layer_ids": "model.target.aux_layer_ids",
@@ -209,13 +295,21 @@ FLAT_MODEL_KEYS = {
 }  # fmt: skip
 
 
+def is_dspark_class_path(class_path: object) -> bool:
+    """Whether a ``model.class_path`` names the DSpark family (its full or short class name)."""
+    return isinstance(class_path, str) and class_path.rpartition(".")[2] == "DSparkModule"
+
+
 def refuse_flat_model_keys(model: Mapping[str, Any] | None, where: str) -> None:
     """``ValueError`` naming the first setting of ``model`` (a run config's ``model:`` mapping, from ``where``) that
     is in the flat shape: an old key, ``target: PATH`` instead of ``target: {path: PATH}``, or draft config fields
-    directly under ``draft:``."""
+    directly under ``draft:`` (the fields of the family ``model.class_path`` names)."""
     if not isinstance(model, Mapping):
         return
+    draft_settings = DSparkDraftSettings if is_dspark_class_path(model.get("class_path")) else DraftSettings
     model = model.get("init_args", model) if "class_path" in model else model
+    if not isinstance(model, Mapping):
+        return
     for key in model:
         if key in FLAT_MODEL_KEYS:
             raise ValueError(f"{where}: model.{key} is now {FLAT_MODEL_KEYS[key]} (run settings are grouped)")
@@ -223,7 +317,7 @@ def refuse_flat_model_keys(model: Mapping[str, Any] | None, where: str) -> None:
         raise ValueError(f"{where}: model.target is a group now: write model.target.path: {model['target']}")
     draft = model.get("draft")
     if isinstance(draft, Mapping):
-        fields = {f.name for f in dataclasses.fields(DraftSettings)}
+        fields = {f.name for f in dataclasses.fields(draft_settings)}
         for key in draft:
             if key not in fields:
                 raise ValueError(
@@ -270,10 +364,11 @@ def check_draft_sequence_parallel(
             raise ValueError(f"{setting} with {name} is not supported: {why}")
 
 
-def as_settings(group: str, value: Any):
-    """``value`` as the settings type of ``model.<group>``: an instance as it is, a mapping of its fields (a
-    checkpoint's hyperparameters, a parsed config) made into one — and so checked."""
-    kind = MODEL_GROUPS[group]
+def as_settings(group: str, value: Any, groups: Mapping[str, type] = MODEL_GROUPS):
+    """``value`` as the settings type of ``model.<group>`` in ``groups`` (a family's: :data:`MODEL_GROUPS` for
+    EAGLE-3, :data:`DSPARK_MODEL_GROUPS`): an instance as it is, a mapping of its fields (a checkpoint's
+    hyperparameters, a parsed config) made into one — and so checked."""
+    kind = groups[group]
     if isinstance(value, Mapping):
         return kind(**value)
     if not isinstance(value, kind):

@@ -80,4 +80,15 @@ class RunParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error:
             super().error(message, ex)  # raises jsonargparse's ArgumentError for the caller to handle
-        one_line_error(getattr(ex, "subcommand_parser", None) or self, message)
+        one_line_error(getattr(ex, "subcommand_parser", None) or self, family_reason(message))
+
+
+def family_reason(message: str) -> str:
+    """A config naming its draft family (``model.class_path``) is parsed in subclass mode, where jsonargparse wraps
+    the class's own complaint in a union report; that complaint, with the key it names under ``model.``."""
+    family = re.search(r"Problem with given class_path '([^']+)':\n((?: {8}.*\n?)+)", message)
+    if not (message.startswith('Parser key "model":') and family):
+        return message
+    inner = " ".join(line.strip() for line in family.group(2).splitlines())
+    inner = inner.replace('Parser key "', 'Parser key "model.')
+    return f"model ({family.group(1)}): {inner}"

@@ -37,6 +37,8 @@ from lightning_eagle.commands.arguments import RunParser
 from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.errors import DEBUG_ENV, RunError, debug_requested
 from lightning_eagle.run_settings import MODEL_GROUPS, refuse_flat_model_keys
+from lightning_eagle.training.draft_training import DraftTrainingModule
+from lightning_eagle.training.dspark_module import DSparkModule  # noqa: F401  (`model.class_path: DSparkModule`)
 from lightning_eagle.training.module import Eagle3Module
 from lightning_eagle.training.preemption import PreemptionCheckpoint
 from lightning_eagle.training.progress import StepProgressBar
@@ -67,6 +69,7 @@ USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, IsADire
 class Eagle3CLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # `data:` is a ChatDataModule unless it names another class (HiddenStateDataModule for dumped features).
+        # (`model:` is an Eagle3Module unless it names another family: `run_classes`.)
         parser.set_defaults({"trainer.precision": "32-true", "data": {"class_path": _CHAT_DATA}})
 
     def _add_subcommands(self, parser, **kwargs) -> None:
@@ -121,22 +124,62 @@ def _has(callbacks: list, kind: type) -> bool:
     return any(isinstance(c, kind) for c in callbacks)
 
 
-# What every run config describes: an Eagle3Module and any LightningDataModule (`data.class_path`).
-RUN_CLASSES = {"model_class": Eagle3Module, "datamodule_class": LightningDataModule, "subclass_mode_data": True}
+# What every run config describes: a draft family's module and any LightningDataModule (`data.class_path`). A config
+# naming no `model.class_path` is an Eagle3Module's (every config before DSpark, parsed exactly as then); one that names
+# a family is parsed in subclass mode over the families' base class.
+_DATA_CLASSES = {"datamodule_class": LightningDataModule, "subclass_mode_data": True}
+RUN_CLASSES = {"model_class": Eagle3Module, **_DATA_CLASSES}
+FAMILY_RUN_CLASSES = {"model_class": DraftTrainingModule, "subclass_mode_model": True, **_DATA_CLASSES}
 
 
-def refuse_flat_settings(words: list[str]) -> None:
-    """Refuse a run config or an option in the flat ``model.*`` shape (``model.ttt_steps``), naming the setting's
-    place in the groups of :mod:`lightning_eagle.run_settings`, before LightningCLI parses anything."""
+def run_classes(words: list[str]) -> dict:
+    """The LightningCLI classes of the run ``words`` describe (:data:`RUN_CLASSES` unless they name a family)."""
+    return FAMILY_RUN_CLASSES if model_class_path(words) is not None else RUN_CLASSES
+
+
+def _config_files(words: list[str]) -> list[Path]:
+    found = []
     for i, word in enumerate(words):
         if word == "--config" and i + 1 < len(words) or word.startswith("--config="):
             path = Path(words[i + 1] if word == "--config" else word.split("=", 1)[1])
             if path.is_file():
-                loaded = yaml.safe_load(path.read_text())
-                refuse_flat_model_keys(loaded.get("model") if isinstance(loaded, dict) else None, str(path))
-        elif word.startswith("--model."):
+                found.append(path)
+    return found
+
+
+def model_class_path(words: list[str]) -> str | None:
+    """The ``model.class_path`` the words give (a config file's or ``--model.class_path``; the last wins)."""
+    found = None
+    for i, word in enumerate(words):
+        if word == "--model.class_path" and i + 1 < len(words) or word.startswith("--model.class_path="):
+            found = words[i + 1] if "=" not in word else word.split("=", 1)[1]
+        for path in _config_files(words[i : i + 2] if word.startswith("--config") else []):
+            loaded = yaml.safe_load(path.read_text())
+            model = loaded.get("model") if isinstance(loaded, dict) else None
+            if isinstance(model, dict) and isinstance(model.get("class_path"), str):
+                found = model["class_path"]
+    return found
+
+
+def refuse_flat_settings(words: list[str]) -> None:
+    """Refuse a run config or an option in the flat ``model.*`` shape (``model.ttt_steps``), naming the setting's
+    place in the groups of :mod:`lightning_eagle.run_settings` (of the family ``model.class_path`` names), before
+    LightningCLI parses anything."""
+    class_path = model_class_path(words)
+    for path in _config_files(words):
+        loaded = yaml.safe_load(path.read_text())
+        model = loaded.get("model") if isinstance(loaded, dict) else None
+        if isinstance(model, dict) and class_path and "class_path" not in model:
+            model = {"class_path": class_path, "init_args": model}
+        refuse_flat_model_keys(model, str(path))
+    for i, word in enumerate(words):
+        if word.startswith("--model."):
             keys = word[len("--model.") :].split("=", 1)[0].split(".")
+            keys = keys[1:] if keys[0] == "init_args" and len(keys) > 1 else keys
+            if keys[0] == "class_path":
+                continue
             nested = {keys[0]: {keys[1]: None} if len(keys) > 1 else None}
+            nested = {"class_path": class_path, "init_args": nested} if class_path else nested
             if len(keys) == 1 and keys[0] in MODEL_GROUPS:  # a whole group: a mapping or a YAML file of one
                 value = word.split("=", 1)[1] if "=" in word else (words[i + 1] if i + 1 < len(words) else "")
                 if keys[0] == "target" and not (value.lstrip().startswith("{") or Path(value).is_file()):
@@ -150,7 +193,7 @@ def make_cli(words: list[str], from_sys_argv: bool, run: bool = True) -> Eagle3C
     if from_sys_argv:  # LightningCLI warns when given `args` while sys.argv has arguments too
         sys.argv[1:] = words
     return Eagle3CLI(
-        **RUN_CLASSES,
+        **run_classes(words),
         run=run,
         args=None if from_sys_argv else words,
         save_config_kwargs={"overwrite": True},

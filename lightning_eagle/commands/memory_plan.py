@@ -23,7 +23,7 @@ from typing import Any
 from jsonargparse import Namespace
 
 from lightning_eagle.commands.arguments import CommandParser, RunParser
-from lightning_eagle.commands.cli import RUN_CLASSES, Eagle3CLI, refuse_flat_settings
+from lightning_eagle.commands.cli import Eagle3CLI, refuse_flat_settings, run_classes
 from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.draft.config import Eagle3DraftConfig
 from lightning_eagle.k3.config import KimiK3TextConfig
@@ -32,7 +32,7 @@ from lightning_eagle.parallel.layout import LAYOUT_SETTINGS, ParallelLayout
 from lightning_eagle.parallel.memory import GB
 from lightning_eagle.parallel.memory_plan import PlanInputs, build_plan, format_plan, plan_header, smallest_fit, verdict
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
-from lightning_eagle.run_settings import as_settings
+from lightning_eagle.run_settings import as_settings, is_dspark_class_path
 from lightning_eagle.settings import check_settings
 
 
@@ -113,7 +113,8 @@ def parse_run_config(path: str | Path) -> Namespace:
     except ValueError as err:
         raise PlanConfigError("--config", str(err)) from None
     cli = _ParseOnlyCLI(
-        **RUN_CLASSES, run=False, args=["--config", str(file)], load_from_checkpoint_support=False,
+        **run_classes(["--config", str(file)]), run=False, args=["--config", str(file)],
+        load_from_checkpoint_support=False,
         parser_kwargs={"exit_on_error": False},
         parser_class=RunParser,
     )  # fmt: skip
@@ -231,6 +232,14 @@ def run_config_from_yaml(
     groups (defaults included), the strategy's layout, the data module's batch and length."""
     config = parse_run_config(path)
     trainer, model, data = config.trainer, config.model, config.data.init_args
+    if "class_path" in model:  # a config naming its family
+        if is_dspark_class_path(model.class_path):
+            raise PlanConfigError(
+                "model.class_path",
+                f"{model.class_path}: the memory plan models EAGLE-3 runs only so far (a DSpark run's draft part: "
+                "context latents, A x g block rows, chunked loss, is not modelled yet)",
+            )
+        model = model.init_args
     target = _settings(model, "target")
     draft_settings = _settings(model, "draft")
     objective = _settings(model, "objective")

@@ -37,6 +37,8 @@ DSPARK_ARCHITECTURE = "K3DSparkModel"
 DSPARK_MODEL_TYPE = "k3_dspark"
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+# Key under which a DSpark training checkpoint stores ``DSparkDraftConfig.to_dict()`` (the module's record).
+DSPARK_CHECKPOINT_CONFIG_KEY = "dspark_draft_config"
 # K3DSparkConfig raises on any of these set (the NoPE / gated / q-k-normed K3 MLA, the bonus anchor)
 VLLM_REFUSED_FLAGS = ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dspark_bonus_anchor")
 FP32_PREFIXES = ("confidence_head.",)  # vLLM keeps the confidence head in fp32
@@ -184,6 +186,27 @@ def load_dspark_export(folder: str | os.PathLike, dtype: torch.dtype | None = No
         )
     drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     return drafter if dtype is None else drafter.to(dtype)
+
+
+def is_dspark_checkpoint(checkpoint: Any) -> bool:
+    """Whether a loaded training checkpoint (``torch.load``'s dict) is a DSpark run's."""
+    return isinstance(checkpoint, dict) and DSPARK_CHECKPOINT_CONFIG_KEY in checkpoint
+
+
+def dspark_drafter_from_checkpoint(checkpoint: dict[str, Any]) -> DSparkDrafter:
+    """The drafter of a DSpark training checkpoint (``state_dict`` under ``draft.``, the config under
+    :data:`DSPARK_CHECKPOINT_CONFIG_KEY`), loaded strictly: a missing or extra tensor is refused by name."""
+    config = DSparkDraftConfig.from_dict(checkpoint[DSPARK_CHECKPOINT_CONFIG_KEY])
+    state = {k[len("draft.") :]: v for k, v in checkpoint.get("state_dict", {}).items() if k.startswith("draft.")}
+    drafter = DSparkDrafter(config)
+    expected, found = set(drafter.state_dict()), set(state)
+    if expected != found:
+        raise ValueError(
+            f"the checkpoint's DSpark draft does not match its config (missing {sorted(expected - found)[:5]}, "
+            f"unexpected {sorted(found - expected)[:5]})"
+        )
+    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    return drafter
 
 
 def dspark_serving_command(

@@ -41,6 +41,7 @@ from typing_extensions import override
 from lightning_eagle.data.prompt_sets import load_prompt_set
 from lightning_eagle.data.prompts import prompts_from_datamodule
 from lightning_eagle.data.tokenizer_choice import resolve_tokenizer
+from lightning_eagle.draft.dspark_config import DSparkDraftConfig
 from lightning_eagle.inference.acceptance import capped_prompts, check_max_prompt_tokens, evaluate_acceptance
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from lightning_eagle.inference.prompt_set_run import evaluate_prompt_set, set_summary, summary_metrics
@@ -135,6 +136,15 @@ class AcceptanceCallback(pl.Callback):
         self.top_p = check_top_p(top_p)
         # Read now: a missing package or unknown set fails the run at start, not after its first epoch.
         self.benchmark = None if benchmark is None else load_prompt_set(benchmark, num_prompts)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if isinstance(getattr(pl_module, "draft_config", None), DSparkDraftConfig):
+            raise ValueError(
+                "AcceptanceCallback decodes EAGLE-3 drafts step by step; a DSpark module's val/tau_real needs block "
+                "speculative decoding (not in this callback): remove AcceptanceCallback from trainer.callbacks of a "
+                "DSpark run (its val/tau_sim is logged by the module)"
+            )
 
     def prompts(self, trainer: pl.Trainer) -> list[list[int]]:
         if self._prompts is None:

@@ -1,8 +1,9 @@
-"""What an ``Eagle3Module`` checkpoint holds and what a resume refuses.
+"""What a draft-training checkpoint holds and what a resume refuses (both families).
 
-A checkpoint holds the draft (with its vocabulary map), its config and training settings, the target's fingerprint,
-whether the draft was FSDP2-sharded and rank 0's random streams — never the target. A resume refuses a checkpoint of
-another target, draft architecture, vocabulary map or draft sharding, naming both values.
+A checkpoint holds the draft (an EAGLE-3 draft with its vocabulary map), its config (under the family's key:
+:func:`eagle3_record`, or DSpark's), the target's fingerprint, whether the draft was FSDP2-sharded and rank 0's random
+streams — never the target. A resume refuses a checkpoint of another target, draft architecture, vocabulary map or
+draft sharding, naming both values.
 """
 
 from __future__ import annotations
@@ -66,29 +67,35 @@ def load_draft(module, state_dict: dict[str, Any], mapping, assign: bool = False
     return result
 
 
-def checkpoint_extras(module, micro_batch_rows: int | None) -> dict[str, Any]:
-    """What ``on_save_checkpoint`` adds besides the state dict."""
+def eagle3_record(module) -> dict[str, Any]:
+    """What an EAGLE-3 checkpoint records of its draft: the config and the TTT settings (the export's metadata)."""
     return {
         CHECKPOINT_CONFIG_KEY: module.draft_config.to_dict(),
         CHECKPOINT_TRAINING_KEY: {"ttt_steps": module.objective.ttt_steps, "step_decay": module.objective.step_decay},
+    }
+
+
+def checkpoint_extras(module, micro_batch_rows: int | None) -> dict[str, Any]:
+    """What ``on_save_checkpoint`` adds besides the state dict and the family's record of its draft."""
+    return {
         TARGET_FINGERPRINT_KEY: module.target_spec.fingerprint,
         MICRO_BATCH_ROWS_KEY: micro_batch_rows,
-        DRAFT_SHARDED_KEY: module.draft_settings.shard,
+        DRAFT_SHARDED_KEY: getattr(module.draft_settings, "shard", False),
         # Rank 0's generators (the only checkpoint written): resumed ranks continue from the same random streams.
         RNG_STATES_KEY: rng_states_to_checkpoint(_collect_rng_states(include_cuda=torch.cuda.is_available())),
     }
 
 
-def check_resume(module, checkpoint: dict[str, Any]) -> None:
-    """Refuse a checkpoint of another target, draft architecture or draft sharding."""
+def check_resume(module, checkpoint: dict[str, Any], config_key: str = CHECKPOINT_CONFIG_KEY) -> None:
+    """Refuse a checkpoint of another target, draft architecture (the config under ``config_key``) or sharding."""
     saved = checkpoint.get(TARGET_FINGERPRINT_KEY)
     if saved is not None and saved != module.target_spec.fingerprint:
         raise ValueError(
             f"the checkpoint was trained against another target (config fingerprint {saved}, this target "
             f"{module.target_spec.fingerprint} at {module.target_spec.path})"
         )
-    refuse_another_draft(checkpoint.get(CHECKPOINT_CONFIG_KEY), module.draft_config.to_dict())
-    saved_sharded, shard = checkpoint.get(DRAFT_SHARDED_KEY, False), module.draft_settings.shard
+    refuse_another_draft(checkpoint.get(config_key), module.draft_config.to_dict())
+    saved_sharded, shard = checkpoint.get(DRAFT_SHARDED_KEY, False), getattr(module.draft_settings, "shard", False)
     if saved_sharded != shard:
         raise ValueError(
             f"the checkpoint was written with model.draft.shard={saved_sharded} and this run has "

@@ -98,11 +98,17 @@ class DSparkMetrics(Metric):
             setattr(self, field.name, state + value.detach().to(state.dtype))
 
     def compute(self) -> dict[str, torch.Tensor]:
-        accept = self.accept_sum / self.accept_count.double().clamp_min(1)
-        result = {f"accept_{k}": accept[k].float() for k in range(self.block_size)}
-        result["tau_sim"] = (self.tau_sum / self.blocks.double().clamp_min(1)).float()
-        if self.confidence_weight > 0:  # absent when no batch had a confidence head
-            result["confidence_abs_error"] = (self.confidence_abs_sum / self.confidence_weight).float()
-            result["confidence_bias"] = (self.confidence_bias_sum / self.confidence_weight).float()
-        result["anchors_per_row"] = (self.anchors.double() / self.rows.double().clamp_min(1)).float()
-        return result
+        return summarize(self)
+
+
+def summarize(sums) -> dict[str, torch.Tensor]:
+    """The metrics of ``sums`` (a :class:`DSparkStats` of one batch, or a :class:`DSparkMetrics` of many: the same
+    fields), each ratio formed only here."""
+    accept = sums.accept_sum / sums.accept_count.double().clamp_min(1)
+    result = {f"accept_{k}": accept[k].float() for k in range(accept.shape[0])}
+    result["tau_sim"] = (sums.tau_sum / sums.blocks.double().clamp_min(1)).float()
+    if sums.confidence_weight > 0:  # absent when no batch had a confidence head
+        result["confidence_abs_error"] = (sums.confidence_abs_sum / sums.confidence_weight).float()
+        result["confidence_bias"] = (sums.confidence_bias_sum / sums.confidence_weight).float()
+    result["anchors_per_row"] = (sums.anchors.double() / sums.rows.double().clamp_min(1)).float()
+    return result

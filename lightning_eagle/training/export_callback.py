@@ -1,4 +1,5 @@
-"""Write the serving export of the draft when training ends (the quickstart ends with an exported draft)."""
+"""Write the serving export of the draft when training ends (the quickstart ends with an exported draft): an EAGLE-3
+draft in the EAGLE-3 layout, a DSpark drafter in vLLM's ``K3DSparkModel`` layout."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from lightning_eagle.checkpoint_io import load_checkpoint_file
+from lightning_eagle.draft.dspark import DSparkDrafter
+from lightning_eagle.draft.dspark_export import dspark_drafter_from_checkpoint, export_dspark_draft
 from lightning_eagle.draft.export import export_draft
 from lightning_eagle.errors import RunError
 
@@ -40,7 +44,14 @@ class ExportDraftCallback(pl.Callback):
         if best and Path(best).is_file():
             source = best
         dtype = getattr(torch, self.dtype) if self.dtype else None
-        path = export_draft(source, self.resolved_out_dir(trainer), dtype=dtype, overwrite=True)
+        if isinstance(pl_module.draft, DSparkDrafter):
+            drafter = pl_module.draft if source is pl_module else dspark_drafter_from_checkpoint(
+                load_checkpoint_file(source, weights_only=False)
+            )  # fmt: skip
+            path = export_dspark_draft(drafter, self.resolved_out_dir(trainer), dtype=dtype or torch.bfloat16,
+                                       overwrite=True)  # fmt: skip
+        else:
+            path = export_draft(source, self.resolved_out_dir(trainer), dtype=dtype, overwrite=True)
         print(
             f"exported the draft ({'best checkpoint ' + Path(best).name if source is not pl_module else 'final'}"
             f" weights) to {path}"

@@ -11,45 +11,32 @@ Research hooks (override in a subclass; each is passed to :func:`~lightning_eagl
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.seed import _set_rng_states
 from typing_extensions import override
 
-from lightning_eagle.checkpoint_io import AtomicCheckpointIO
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft, build_draft
 from lightning_eagle.draft.materialize import build_on_meta, materialize
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.k3.target_spec import TargetSpec
 from lightning_eagle.parallel.dense_shard import shard_draft
-from lightning_eagle.parallel.frozen_target import parallelism_of, root_device
-from lightning_eagle.parallel.layout import DraftPlacement, draft_mesh, draft_placement
-from lightning_eagle.run_settings import (
-    DraftSettings,
-    ObjectiveSettings,
-    OptimizationSettings,
-    TargetSettings,
-    as_settings,
-)
+from lightning_eagle.parallel.frozen_target import root_device
+from lightning_eagle.parallel.layout import draft_mesh
+from lightning_eagle.run_settings import DraftSettings, ObjectiveSettings, OptimizationSettings, TargetSettings
 from lightning_eagle.training import data_contract
 from lightning_eagle.training import draft_checkpoint as ckpt
-from lightning_eagle.training.finite import stop_unless_finite, updated_weights_sum
+from lightning_eagle.training.draft_training import DraftTrainingModule
+from lightning_eagle.training.finite import stop_unless_finite
 from lightning_eagle.training.loss import soft_cross_entropy
 from lightning_eagle.training.loss import step_weights as default_step_weights
 from lightning_eagle.training.metrics import TTTMetrics
-from lightning_eagle.training.resume import micro_batch_rows, rescale_epoch_progress, rng_states_from_checkpoint
 from lightning_eagle.training.run_gates import refuse_unsupported_run
-from lightning_eagle.training.schedule import warmup_cosine
 from lightning_eagle.training.sequence_parallel_unroll import sum_over_sp_group
 from lightning_eagle.training.shift import shift_left
-from lightning_eagle.training.target_source import OnlineTarget, TargetSource, target_source
+from lightning_eagle.training.target_source import target_source
 from lightning_eagle.training.teacher import ChunkedTeacher, Teacher
 from lightning_eagle.training.teacher import compute_teacher as default_compute_teacher
 from lightning_eagle.training.ttt import TTTOutput, checkpointed_draft_step, tau_sim, ttt_loss
@@ -59,7 +46,7 @@ from lightning_eagle.training.ttt import draft_step as default_draft_step
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 
-class Eagle3Module(pl.LightningModule):
+class Eagle3Module(DraftTrainingModule):
     """Train a :class:`~lightning_eagle.draft.KimiK3Eagle3Draft` against a frozen K3 target.
 
     Args (each a group of ``model:`` in a run config, validated when it is made: :mod:`lightning_eagle.run_settings`):
@@ -73,7 +60,9 @@ class Eagle3Module(pl.LightningModule):
 
     The strategy places the target (:class:`~lightning_eagle.parallel.TargetParallelism`: expert slices, FSDP2 dense
     shards) and the draft (:class:`~lightning_eagle.parallel.layout.DraftPlacement`: sequence parallelism, the
-    mesh an FSDP2-sharded draft splits over); refused layouts are the strategy's business.
+    mesh an FSDP2-sharded draft splits over); refused layouts are the strategy's business. What it shares with the
+    DSpark family (settings, target source, optimizer, checkpoints): :class:`~lightning_eagle.training.
+    draft_training.DraftTrainingModule`.
     """
 
     def __init__(
@@ -85,39 +74,19 @@ class Eagle3Module(pl.LightningModule):
         optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
-        super().__init__()
-        target, draft, objective, optimization = (
-            as_settings(name, value) for name, value in
-            (("target", target), ("draft", draft), ("objective", objective), ("optimization", optimization))
-        )  # fmt: skip
-        # plain values in the checkpoint (loadable with weights_only, readable in hparams.yaml); a mapping makes them
         groups = {"target": target, "draft": draft, "objective": objective, "optimization": optimization}
-        self.save_hyperparameters({k: json.loads(json.dumps(dataclasses.asdict(v))) for k, v in groups.items()})
-        self.target_settings, self.draft_settings = target, draft
-        self.objective, self.optimization = objective, optimization
+        super().__init__(groups, optimizer, lr_scheduler)
         # Read (config.json only) and validated once; the strategy, the feature dumper and the plan use it as is.
-        self.target_spec = TargetSpec.from_settings(target)
+        self.target_spec = TargetSpec.from_settings(self.target_settings)
         self.draft_config = self._draft_config(draft_vocab_size=None)  # validated without any weight
-        self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
-        self.train_metrics = TTTMetrics(objective.ttt_steps)  # created here, never under a meta-device context
-        self.val_metrics = TTTMetrics(objective.ttt_steps)
-        self.source: TargetSource | None = None
+        self.train_metrics = TTTMetrics(self.objective.ttt_steps)  # created here, never under a meta-device context
+        self.val_metrics = TTTMetrics(self.objective.ttt_steps)
         self.draft: KimiK3Eagle3Draft | None = None
-        self.strict_loading = False  # the checkpoint holds only the draft; `load_state_dict` checks it strictly
-
-    @property
-    def target(self):
-        """The frozen K3 (None before ``configure_model`` and when training from dumped features)."""
-        return self.source.model if isinstance(self.source, OnlineTarget) else None
 
     @property
     def ttt_steps(self) -> int:
         """K, the draft steps each training position unrolls (what evaluation drafts per round by default)."""
         return self.objective.ttt_steps
-
-    @property
-    def placement(self) -> DraftPlacement:
-        return draft_placement(self._trainer.strategy if self._trainer is not None else None)
 
     # ---- construction ---------------------------------------------------------------------------------------------
     def _draft_config(self, draft_vocab_size: int | None) -> Eagle3DraftConfig:
@@ -125,10 +94,6 @@ class Eagle3Module(pl.LightningModule):
             self.target_spec.config, **self.draft_settings.config, draft_vocab_size=draft_vocab_size,
             aux_hidden_state_stream=self.target_spec.aux_stream, aux_layer_ids=list(self.target_spec.aux_layer_ids),
         )  # fmt: skip
-
-    def expert_range(self) -> tuple[int, int] | None:
-        """This rank's slice of routed experts (None = all); an expert-parallel strategy decides."""
-        return parallelism_of(self).expert_range(self.target_spec.num_experts)
 
     def _build_draft(self, draft_vocab_size: int | None) -> KimiK3Eagle3Draft:
         self.draft_config = self._draft_config(draft_vocab_size)
@@ -161,11 +126,8 @@ class Eagle3Module(pl.LightningModule):
     def _data_vocabulary(self):
         return data_contract.vocab_mapping(self._trainer, self.target_spec.config.vocab_size)
 
-    @override
-    def setup(self, stage: str) -> None:
-        refuse_unsupported_run(self, stage)  # before any weight is read
-        if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a kill during a save truncates the file
-            self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+    def refuse_unsupported_run(self, stage: str) -> None:
+        refuse_unsupported_run(self, stage)
 
     # ---- research hooks -------------------------------------------------------------------------------------------
     def compute_teacher(self, draft, loss_mask, **sources) -> Teacher | ChunkedTeacher:
@@ -292,59 +254,14 @@ class Eagle3Module(pl.LightningModule):
             "tau_sim": out.tau_sim,
         }
 
-    @override
-    def on_before_optimizer_step(self, optimizer) -> None:
-        grads = [p.grad for p in self.draft.parameters() if p.grad is not None]
-        if grads:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-            stop_unless_finite(self, "the draft's gradient norm", norm, self.trainer.fit_loop.batch_idx)
-            self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
-        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
-
-    @override
-    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
-        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        # a finite gradient times a huge learning rate can still overflow the weights; stop before a checkpoint
-        stop_unless_finite(self, "the sum of |updated draft weights|", updated_weights_sum(self), batch_idx)
-
-    # ---- optimisation ---------------------------------------------------------------------------------------------
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        """Only the draft's trainable parameters (the frozen embedding copy is excluded)."""
-        return [p for p in self.draft.parameters() if p.requires_grad]
-
-    @override
-    def configure_optimizers(self):
-        params, opt = self.trainable_parameters(), self.optimization
-        if self.optimizer_factory is not None:
-            optimizer = self.optimizer_factory(params)
-        else:
-            optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=(0.9, 0.95), weight_decay=opt.weight_decay)
-        if self.scheduler_factory is not None:
-            scheduler = self.scheduler_factory(optimizer)
-        else:
-            total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
-            scheduler = warmup_cosine(optimizer, total, opt.warmup_ratio, opt.min_lr_ratio)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    # ---- checkpoints: the draft only ------------------------------------------------------------------------------
-    @override
-    def state_dict(self, *args, **kwargs):
-        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
-        return ckpt.draft_only(super().state_dict(*args, **kwargs), prefix)
-
+    # ---- checkpoints: the draft only (the rest: DraftTrainingModule) -----------------------------------------------
     @override
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Strict on the draft (missing or unexpected draft keys raise); the target is never in a checkpoint."""
         return ckpt.load_draft(self, state_dict, self._data_vocabulary(), assign)
 
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint.update(ckpt.checkpoint_extras(self, micro_batch_rows(self.trainer)))
+    def checkpoint_record(self) -> dict[str, Any]:
+        return ckpt.eagle3_record(self)
 
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if ckpt.RNG_STATES_KEY in checkpoint and self._trainer is not None and self.trainer.state.fn == "fit":
-            _set_rng_states(rng_states_from_checkpoint(checkpoint[ckpt.RNG_STATES_KEY]))
+    def check_resume(self, checkpoint: dict[str, Any]) -> None:
         ckpt.check_resume(self, checkpoint)
-        if self._trainer is not None:  # another world size or batch size: loop counters in this run's micro-batches
-            rescale_epoch_progress(checkpoint, micro_batch_rows(self.trainer))

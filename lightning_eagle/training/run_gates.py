@@ -1,7 +1,7 @@
-"""What ``Eagle3Module.setup`` refuses about the run it is in, before any weight is read: a precision that would cast
-the whole module, features from another target or taps (or features handed to an online run), and what draft
-sequence parallelism does not support (:func:`~lightning_eagle.run_settings.check_draft_sequence_parallel`, the one
-check the memory plan makes too)."""
+"""What a draft-training module's ``setup`` refuses about the run it is in, before any weight is read: a precision
+that would cast the whole module, features from another target or taps (or features handed to an online run), and
+what draft sequence parallelism does not support (EAGLE-3: :func:`~lightning_eagle.run_settings.
+check_draft_sequence_parallel`, the one check the memory plan makes too; DSpark: any)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from lightning_eagle.training.data_contract import features_manifest
 from lightning_eagle.training.target_source import check_features_manifest
 
 
-def refuse_unsupported_run(module, stage: str) -> None:
-    """Raise ``ValueError`` naming the setting for a run ``module`` cannot train (or ``stage``) as configured."""
+def refuse_unsupported_target_run(module) -> None:
+    """What both draft families refuse: a precision that casts the whole module, features from another target or
+    taps (or features handed to an online run)."""
     trainer = module.trainer
     precision = str(getattr(trainer, "precision", "32-true"))
     if precision in ("bf16-true", "16-true"):
@@ -19,9 +20,34 @@ def refuse_unsupported_run(module, stage: str) -> None:
             f"trainer precision {precision!r} would cast the whole module, destroying the target's fp32 "
             "parameters and MXFP4 scales; use precision='32-true' with model.draft.dtype='bfloat16', or 'bf16-mixed'"
         )
-    spec = module.target_spec
-    check_features_manifest(features_manifest(trainer), module.target_settings, spec)
+    check_features_manifest(features_manifest(trainer), module.target_settings, module.target_spec)
+
+
+def refuse_unsupported_run(module, stage: str) -> None:
+    """Raise ``ValueError`` naming the setting for a run the EAGLE-3 ``module`` cannot train (or ``stage``) as
+    configured."""
+    refuse_unsupported_target_run(module)
     check_draft_sequence_parallel(
         module.placement.draft_sequence_parallel_size, num_attention_heads=module.draft_config.num_attention_heads,
         draft=module.draft_settings, target_source=module.target_settings.source, stage=stage,
     )  # fmt: skip
+
+
+def refuse_unsupported_dspark_run(module, stage: str) -> None:
+    """Raise ``ValueError`` naming the setting for a run the DSpark ``module`` cannot train as configured."""
+    refuse_unsupported_target_run(module)
+    datamodule = getattr(module.trainer, "datamodule", None)
+    draft_vocab = getattr(datamodule, "draft_vocab_size", None)
+    if draft_vocab is not None and draft_vocab < module.draft_config.vocab_size:
+        raise ValueError(
+            f"data.draft_vocab_size={draft_vocab}: a DSpark draft predicts over the target's whole vocabulary "
+            f"({module.draft_config.vocab_size}, its LM head is the target's; vLLM refuses a draft vocabulary): "
+            "leave data.draft_vocab_size unset"
+        )
+    size = module.placement.draft_sequence_parallel_size
+    if size > 1:
+        raise ValueError(
+            f"trainer.strategy.init_args.draft_sequence_parallel_size={size} is not supported for a DSpark draft: its "
+            "cost is the A x g block rows against the context, not T x T, so there is no sequence to split; use "
+            "draft_sequence_parallel_size=1 (long rows: model.objective.num_anchors, model.draft.block_chunk)"
+        )

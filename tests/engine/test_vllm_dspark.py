@@ -12,6 +12,9 @@
     weights): ``combine_hidden_states``, the RoPE / DeepSeek-YaRN rotary of its MLA (and its softmax scale with
     YaRN's mscale), the input norm, ``KimiMLP``, the Markov embedding and bias, the confidence.
 
+Each check runs on two hand-made exports (random weights: a swapped tensor shows) and on the drafter a few steps of
+``cli.py fit --config configs/quickstart_dspark.yaml`` export at the end of the fit.
+
 vLLM's whole forward needs its GPU runner (this CPU build refuses DSpark in ``VllmConfig``):
 ``benchmarks/gpu_check.py`` (section ``dspark_vllm``) compares it with ours on a GPU.
 """
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dspark_fit_helpers import cli, dspark_config
 from safetensors.torch import load_file, save_file
 
 from lightning_eagle.draft.dspark import DSparkDrafter
@@ -51,6 +55,8 @@ VARIANTS = {
     "confidence": dict(rope_scaling=YARN, aux_hidden_state_stream="mixed"),
     "no_confidence": dict(enable_confidence_head=False, block_size=3),
 }
+# ... and the drafter `cli.py fit --config configs/quickstart_dspark.yaml` exports (a few steps, bf16 as served)
+NAMES = [*VARIANTS, "fit"]
 
 
 def exported(folder: Path, **overrides) -> Path:
@@ -103,10 +109,12 @@ def run_probe(python: Path, folder: Path, draft: Path, num_speculative_tokens: i
 def probes(vllm_python, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("dspark")
     out = {}
-    for name, overrides in VARIANTS.items():
-        draft = exported(root / name / "served", **overrides)
-        # None: vLLM takes the block size from the config; the other variant passes it as the serve line does
-        tokens = None if name == "confidence" else overrides["block_size"]
+    cli(root, "fit", "--config", str(dspark_config(root, "fit", max_steps=2, export_dtype="bfloat16")))
+    for name in NAMES:
+        overrides = VARIANTS.get(name)
+        draft = exported(root / name / "served", **overrides) if overrides is not None else root / "fit" / "draft"
+        # None: vLLM takes the block size from the config; the others pass it as the serve line does
+        tokens = None if name == "confidence" else load_dspark_export(draft).config.block_size
         result, loaded = run_probe(vllm_python, root / name / "probe", draft, tokens)
         config = json.loads((draft / "config.json").read_text())
         probe = root / name / "probe"
@@ -116,7 +124,7 @@ def probes(vllm_python, tmp_path_factory) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", NAMES)
 def test_vllm_config_parses_our_values(probes, name):
     run = probes[name]
     parsed, ours = run["result"]["config"], run["config"]
@@ -130,7 +138,7 @@ def test_vllm_config_parses_our_values(probes, name):
     assert parsed["n_routed_experts"] == 0  # vLLM sees a dense draft
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", NAMES)
 def test_speculative_config_resolves_k3_dspark(probes, name):
     run = probes[name]
     spec, ours = run["result"]["spec"], run["config"]
@@ -164,7 +172,7 @@ def expected_vllm_parameters(source: dict[str, torch.Tensor], num_layers: int) -
     return out
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", NAMES)
 def test_vllm_loader_consumes_every_tensor(probes, name):
     run = probes[name]
     load, source, loaded = run["result"]["load"], run["source"], run["loaded"]
@@ -189,7 +197,7 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 BF16_REL = 1e-2  # vLLM in bf16 against ours in fp32 on the same bf16-exact weights and inputs (a few bf16 ulps)
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", NAMES)
 @torch.no_grad()
 def test_vllm_pieces_compute_what_ours_do(probes, name):
     run = probes[name]

@@ -1,0 +1,158 @@
+"""``DraftTrainingModule``: what every draft family's LightningModule shares (EAGLE-3's
+:class:`~lightning_eagle.training.module.Eagle3Module`, DSpark's
+:class:`~lightning_eagle.training.dspark_module.DSparkModule`), so each has one home:
+
+* the run's settings groups, made into their types and saved as plain hyperparameters;
+* the frozen target's source (:mod:`~lightning_eagle.training.target_source`), its expert slice and the draft's
+  placement (the strategy decides both);
+* ``setup``'s refusals (the family's :meth:`refuse_unsupported_run`) and the atomic checkpoint writer;
+* the finite-value stops on the gradient norm and the updated weights, AdamW + warmup-cosine (or the callables of a
+  run config), the learning-rate and gradient-norm logs;
+* checkpoints that hold the draft only (:mod:`~lightning_eagle.training.draft_checkpoint`), the random streams and
+  loop counters a resume restores.
+
+``model.class_path`` of a run config picks the family (LightningCLI's subclass mode over this class); a family
+defines its ``settings_groups``, builds its draft in ``configure_model`` and says what its checkpoint records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.seed import _set_rng_states
+from typing_extensions import override
+
+from lightning_eagle.checkpoint_io import AtomicCheckpointIO
+from lightning_eagle.parallel.frozen_target import parallelism_of
+from lightning_eagle.parallel.layout import DraftPlacement, draft_placement
+from lightning_eagle.run_settings import MODEL_GROUPS, as_settings
+from lightning_eagle.training import draft_checkpoint as ckpt
+from lightning_eagle.training.finite import stop_unless_finite, updated_weights_sum
+from lightning_eagle.training.resume import micro_batch_rows, rescale_epoch_progress, rng_states_from_checkpoint
+from lightning_eagle.training.schedule import warmup_cosine
+from lightning_eagle.training.target_source import OnlineTarget, TargetSource
+
+
+class DraftTrainingModule(pl.LightningModule):
+    """The shared part of a draft-training LightningModule against a frozen K3 (module docstring).
+
+    Subclasses set :attr:`settings_groups` (``model.<group>`` → settings type), build ``target_spec`` and
+    ``draft_config`` in ``__init__`` and ``source`` / ``draft`` in ``configure_model``, and implement
+    :meth:`refuse_unsupported_run`, :meth:`checkpoint_record`, :meth:`check_resume` and ``load_state_dict``."""
+
+    settings_groups: Mapping[str, type] = MODEL_GROUPS
+
+    def __init__(
+        self,
+        groups: Mapping[str, Any],
+        optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    ) -> None:
+        super().__init__()
+        groups = {name: as_settings(name, value, self.settings_groups) for name, value in groups.items()}
+        # plain values in the checkpoint (loadable with weights_only, readable in hparams.yaml); a mapping makes them
+        self.save_hyperparameters({k: json.loads(json.dumps(dataclasses.asdict(v))) for k, v in groups.items()})
+        self.target_settings, self.draft_settings = groups["target"], groups["draft"]
+        self.objective, self.optimization = groups["objective"], groups["optimization"]
+        self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
+        self.source: TargetSource | None = None
+        self.draft: torch.nn.Module | None = None
+        self.strict_loading = False  # the checkpoint holds only the draft; `load_state_dict` checks it strictly
+
+    @property
+    def target(self):
+        """The frozen K3 (None before ``configure_model`` and when training from dumped features)."""
+        return self.source.model if isinstance(self.source, OnlineTarget) else None
+
+    @property
+    def placement(self) -> DraftPlacement:
+        return draft_placement(self._trainer.strategy if self._trainer is not None else None)
+
+    def expert_range(self) -> tuple[int, int] | None:
+        """This rank's slice of routed experts (None = all); an expert-parallel strategy decides."""
+        return parallelism_of(self).expert_range(self.target_spec.num_experts)
+
+    # ---- what a family says ---------------------------------------------------------------------------------------
+    def refuse_unsupported_run(self, stage: str) -> None:
+        """Raise ``ValueError`` naming the setting when this run cannot train (or ``stage``) as configured."""
+        raise NotImplementedError
+
+    def checkpoint_record(self) -> dict[str, Any]:
+        """What a checkpoint records of the draft besides its tensors (its config, under the family's key)."""
+        raise NotImplementedError
+
+    def check_resume(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint this run cannot continue (another target or draft), naming both values."""
+        raise NotImplementedError
+
+    # ---- run ------------------------------------------------------------------------------------------------------
+    @override
+    def setup(self, stage: str) -> None:
+        self.refuse_unsupported_run(stage)  # before any weight is read
+        if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a kill during a save truncates the file
+            self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
+    def rows_rank(self) -> int:
+        """The data-parallel rank that owns this rank's rows (what the resumable sampler shards by)."""
+        if self._trainer is None:
+            return 0
+        return int((self.trainer.distributed_sampler_kwargs or {}).get("rank", self.global_rank))
+
+    @override
+    def on_before_optimizer_step(self, optimizer) -> None:
+        grads = [p.grad for p in self.draft.parameters() if p.grad is not None]
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            stop_unless_finite(self, "the draft's gradient norm", norm, self.trainer.fit_loop.batch_idx)
+            self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
+
+    @override
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        # a finite gradient times a huge learning rate can still overflow the weights; stop before a checkpoint
+        stop_unless_finite(self, "the sum of |updated draft weights|", updated_weights_sum(self), batch_idx)
+
+    # ---- optimisation ---------------------------------------------------------------------------------------------
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """Only the draft's trainable parameters (a frozen embedding copy is excluded)."""
+        return [p for p in self.draft.parameters() if p.requires_grad]
+
+    @override
+    def configure_optimizers(self):
+        params, opt = self.trainable_parameters(), self.optimization
+        if self.optimizer_factory is not None:
+            optimizer = self.optimizer_factory(params)
+        else:
+            optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=(0.9, 0.95), weight_decay=opt.weight_decay)
+        if self.scheduler_factory is not None:
+            scheduler = self.scheduler_factory(optimizer)
+        else:
+            total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
+            scheduler = warmup_cosine(optimizer, total, opt.warmup_ratio, opt.min_lr_ratio)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- checkpoints: the draft only ------------------------------------------------------------------------------
+    @override
+    def state_dict(self, *args, **kwargs):
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+        return ckpt.draft_only(super().state_dict(*args, **kwargs), prefix)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint.update(self.checkpoint_record())
+        checkpoint.update(ckpt.checkpoint_extras(self, micro_batch_rows(self.trainer)))
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if ckpt.RNG_STATES_KEY in checkpoint and self._trainer is not None and self.trainer.state.fn == "fit":
+            _set_rng_states(rng_states_from_checkpoint(checkpoint[ckpt.RNG_STATES_KEY]))
+        self.check_resume(checkpoint)
+        if self._trainer is not None:  # another world size or batch size: loop counters in this run's micro-batches
+            rescale_epoch_progress(checkpoint, micro_batch_rows(self.trainer))
