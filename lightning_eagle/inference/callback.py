@@ -80,6 +80,8 @@ def draft_steps(pl_module: pl.LightningModule, num_draft_tokens: int | None) -> 
     """K for one acceptance run: the callback's own setting, else the module's training unroll."""
     if num_draft_tokens is not None:
         return num_draft_tokens
+    if isinstance(getattr(pl_module, "draft_config", None), DSparkDraftConfig):
+        return pl_module.draft_config.block_size  # a block drafter proposes its whole block
     if isinstance(pl_module, UnrollsDraftSteps):
         return pl_module.ttt_steps
     raise TypeError(
@@ -137,15 +139,6 @@ class AcceptanceCallback(pl.Callback):
         # Read now: a missing package or unknown set fails the run at start, not after its first epoch.
         self.benchmark = None if benchmark is None else load_prompt_set(benchmark, num_prompts)
 
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if isinstance(getattr(pl_module, "draft_config", None), DSparkDraftConfig):
-            raise ValueError(
-                "AcceptanceCallback decodes EAGLE-3 drafts step by step; a DSpark module's val/tau_real needs block "
-                "speculative decoding (not in this callback): remove AcceptanceCallback from trainer.callbacks of a "
-                "DSpark run (its val/tau_sim is logged by the module)"
-            )
-
     def prompts(self, trainer: pl.Trainer) -> list[list[int]]:
         if self._prompts is None:
             datamodule, cap = getattr(trainer, "datamodule", None), self.max_prompt_tokens
@@ -184,16 +177,18 @@ class AcceptanceCallback(pl.Callback):
             raise TypeError(f"AcceptanceCallback needs a module that trains a draft (Eagle3Module), got {pl_module}")
         target, draft = pl_module.target, pl_module.draft
         if target is None and draft is not None and self.target_path is not None:
-            target = self._own_target(draft.fc.weight.device)
+            target = self._own_target(next(draft.parameters()).device)
         if target is None or draft is None:
             return
         expert_parallel = pl_module.expert_range() is not None
         if trainer.global_rank != 0 and not expert_parallel:
             return
         draft_config = pl_module.draft_config or draft.config
+        # a block drafter taps its own target_layer_ids; the loop is the draft family's (generate_for)
+        aux_layer_ids = None if isinstance(draft_config, DSparkDraftConfig) else draft_config.aux_layer_ids
         decoding = {"max_new_tokens": self.max_new_tokens, "num_draft_tokens": draft_steps(pl_module,
                     self.num_draft_tokens), "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                    "aux_layer_ids": draft_config.aux_layer_ids, "prefill_chunk": self.prefill_chunk}  # fmt: skip
+                    "aux_layer_ids": aux_layer_ids, "prefill_chunk": self.prefill_chunk}  # fmt: skip
         with torch.autocast(device_type=target.lm_head.weight.device.type, enabled=False):
             if self.benchmark is not None:
                 datamodule = getattr(trainer, "datamodule", None)

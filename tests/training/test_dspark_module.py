@@ -242,12 +242,27 @@ def test_the_real_k3_dspark_config_parses_and_the_plan_refuses_it_by_name(capsys
     assert "model.class_path" in capsys.readouterr().err
 
 
-def test_the_eagle3_acceptance_callback_refuses_a_dspark_run():
+def test_the_acceptance_callback_measures_a_dspark_run_with_block_decoding(tmp_path):
+    """val/tau_real of a DSpark fit: the callback decodes through the draft family's loop (blocks of the module's
+    block size, the drafter's own taps), greedy, so its output is the target's and tau_real is in [1, g + 1]."""
+    import lightning.pytorch as pl
+    from eagle_helpers import data_kwargs
+
+    from lightning_eagle.data.datamodule import ChatDataModule
     from lightning_eagle.inference.callback import AcceptanceCallback
 
-    module = DSparkModule(TINY_TARGET, TINY_DRAFT)
-    with pytest.raises(ValueError, match="AcceptanceCallback decodes EAGLE-3 drafts"):
-        AcceptanceCallback().setup(None, module, "fit")
+    module = DSparkModule(TINY_TARGET, TINY_DRAFT, DSparkObjectiveSettings(num_anchors=12))
+    callback = AcceptanceCallback(num_prompts=2, max_new_tokens=8, compare_plain=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+                         max_steps=2, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0,
+                         callbacks=[callback])  # fmt: skip
+    trainer.fit(module, ChatDataModule(**data_kwargs(batch_size=2, max_length=96, draft_vocab_size=None)))
+    report = callback.last_report
+    assert report.num_draft_tokens == module.block_size and report.num_prompts == 2
+    assert report.greedy_mismatches == 0
+    assert 1.0 <= float(trainer.callback_metrics["val/tau_real"]) <= module.block_size + 1
+    assert "val/vllm_mean_acceptance_length" in trainer.callback_metrics
 
 
 def test_one_offline_step_equals_the_online_step(tmp_path):
