@@ -45,7 +45,7 @@ def test_each_turn_follows_the_targets_own_answer(models, monkeypatch):
         calls.append((list(prompt), out))
         return out
 
-    monkeypatch.setattr(prompt_set_run, "speculative_generate", recording)
+    monkeypatch.setattr(speculative, "speculative_generate", recording)  # the loop the eagle3 family decodes with
     report = evaluate_prompt_set(target, draft, SET, tok, max_new_tokens=6, num_draft_tokens=2, temperature=1.0)
     assert len(calls) == 3 and report.num_turns == 3 and report.num_prompts == 2
     first = calls[0][1]
