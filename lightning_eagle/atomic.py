@@ -87,15 +87,21 @@ def write_refusal(exc: BaseException, folder: Path, written: Path | None = None)
             return reason
     if not isinstance(exc, (OSError, RuntimeError)):
         return None
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    sizes = [p.stat().st_size for p in ([written] if written.is_file() else written.rglob("*")) if p.is_file()] if (
-        written is not None and written.exists()) else []  # fmt: skip
-    if limit != resource.RLIM_INFINITY and sizes and max(sizes) >= limit - 4096:
+    limit, largest = resource.getrlimit(resource.RLIMIT_FSIZE)[0], _largest_file(written)
+    if limit != resource.RLIM_INFINITY and largest and largest >= limit - 4096:
         return WRITE_REFUSALS[errno.EFBIG]
     with contextlib.suppress(OSError):
         if shutil.disk_usage(folder).free < LOW_SPACE_BYTES:
             return WRITE_REFUSALS[errno.ENOSPC]
     return None
+
+
+def _largest_file(written: Path | None) -> int:
+    """Bytes of the largest file of a partial output (a file or a folder); 0 when there is none."""
+    if written is None or not written.exists():
+        return 0
+    files = [written] if written.is_file() else [p for p in written.rglob("*") if p.is_file()]
+    return max((p.stat().st_size for p in files), default=0)
 
 
 @contextlib.contextmanager
