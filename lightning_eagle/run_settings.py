@@ -216,7 +216,8 @@ class DSparkDraftSettings:
     target's), checked when the module builds the config; ``config``: its fields to override (``{"block_size": 7}``);
     the taps, their stream, the vocabulary and the target's width and depth come from ``model.target``, never from
     here. ``block_chunk``: anchors per attention call (None: all at once); ``kv_form``: ``"latent"`` keys (what vLLM
-    caches) or the ``"expanded"`` twin; ``init_seed``: the random init, the same on every rank; ``dtype``: the
+    caches) or the ``"expanded"`` twin; ``activation_checkpointing``: keep only each chunk's inputs and recompute its
+    layers in the backward (long rows); ``init_seed``: the random init, the same on every rank; ``dtype``: the
     training dtype.
     """
 
@@ -224,6 +225,7 @@ class DSparkDraftSettings:
     config: dict[str, Any] | None = None
     block_chunk: int | None = 64
     kv_form: Literal[DSPARK_KV_FORMS] = "latent"
+    activation_checkpointing: bool = False
     init_seed: int = 0
     dtype: Literal[DRAFT_DTYPES] = "float32"
 
@@ -241,6 +243,8 @@ class DSparkDraftSettings:
         _choice("model.draft.kv_form", self.kv_form, DSPARK_KV_FORMS)
         _choice("model.draft.dtype", self.dtype, DRAFT_DTYPES)
         check_settings("model.draft", {"init_seed": (self.init_seed, "non_negative", int)})
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ValueError(f"model.draft.activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
 
     def __hash__(self) -> int:  # `config` is a dict: hash what identifies the settings
         return hash((self.preset, tuple(sorted(self.config.items(), key=str)), self.block_chunk, self.kv_form))

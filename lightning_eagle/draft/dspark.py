@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_eagle.backends import BackendSetting
 from lightning_eagle.draft.deepseek_mla import DeepseekMLAAttention, SwiGLUMLP
@@ -138,7 +139,10 @@ class DSparkDrafter(nn.Module):
 
     ``mla_backend`` (:data:`~lightning_eagle.ops.mla.MLA_BACKEND`: ``auto`` = ``sdpa``, or ``eager``) picks the
     attention core, ``kv_form`` (``latent``, or the ``expanded`` twin: :mod:`~lightning_eagle.draft.dspark_attention`)
-    the form of the keys; ``block_chunk`` (None: all anchors at once) how many anchors one attention call takes."""
+    the form of the keys; ``block_chunk`` (None: all anchors at once) how many anchors one attention call takes;
+    ``activation_checkpointing`` keeps only each chunk's inputs through the forward and recomputes its layers in the
+    backward (a long row's ``A·g`` block rows would otherwise keep every layer's activations, the context-length
+    ``[context ; block]`` keys and mask of every chunk included)."""
 
     mla_backend = BackendSetting(MLA_BACKEND)
 
@@ -148,9 +152,13 @@ class DSparkDrafter(nn.Module):
         mla_backend: str = "auto",
         block_chunk: int | None = 64,
         kv_form: str = "latent",
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.kv_form = check_kv_form(kv_form)
+        if not isinstance(activation_checkpointing, bool):
+            raise ValueError(f"activation_checkpointing must be a bool, got {activation_checkpointing!r}")
+        self.activation_checkpointing = activation_checkpointing
         if block_chunk is not None and (isinstance(block_chunk, bool) or not isinstance(block_chunk, int)):
             raise ValueError(f"block_chunk must be a positive int or None, got {block_chunk!r}")
         if block_chunk is not None and block_chunk < 1:
@@ -235,16 +243,17 @@ class DSparkDrafter(nn.Module):
         if anchors.shape != keep.shape or anchors.dim() != 2 or anchors.shape[0] != B:
             raise ValueError(f"anchors {tuple(anchors.shape)} and keep {tuple(keep.shape)} must both be [B={B}, A]")
         anchors = torch.where(keep, anchors, torch.zeros_like(anchors))  # a padded anchor reads token 0, harmlessly
-        if bool(((anchors < 0) | (anchors >= T)).any()):
+        if not anchors.is_meta and bool(((anchors < 0) | (anchors >= T)).any()):  # meta: the memory plan's census
             raise ValueError(f"anchors must be positions in [0, {T}), got values in [{anchors.min()}, {anchors.max()}]")
         positions = torch.arange(T, device=input_ids.device)
         context = self.context_kv(context_features, positions)
         x = self.block_inputs(input_ids, anchors, embed)
         A = anchors.shape[1]
         chunk = A if self.block_chunk is None else self.block_chunk
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         outs = [
-            self.run_blocks(x[:, s : s + chunk], anchors[:, s : s + chunk], context, positions)
-            for s in range(0, A, chunk)
+            checkpoint(self.run_blocks, *args, use_reentrant=False) if recompute else self.run_blocks(*args)
+            for args in ((x[:, s : s + chunk], anchors[:, s : s + chunk], context, positions) for s in range(0, A, chunk))
         ]
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         return out * keep[:, :, None, None].to(out.dtype)

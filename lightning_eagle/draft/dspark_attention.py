@@ -46,7 +46,13 @@ def latent_attention(attn, q, context, block, allowed, core: str) -> torch.Tenso
         probs = torch.softmax(scores + additive_mask(allowed, torch.float32), dim=-1).to(latent.dtype)
         out = torch.matmul(probs, latent)
     elif core == "sdpa":
-        out = F.scaled_dot_product_attention(query, keys, latent, attn_mask=allowed, scale=attn.scale, enable_gqa=True)
+        # the one key head as a stride-0 view per query head, not enable_gqa: with a mask the kernel CUDA picks is the
+        # memory-efficient one, which torch 2.13 documents without GQA; enable_gqa there would fall back to the math
+        # kernel and its [n, S, T+S] scores (the memory plan, `memory_plan/dspark_step.py`, counts this form)
+        B, n = query.shape[:2]
+        out = F.scaled_dot_product_attention(
+            query, keys.expand(B, n, -1, -1), latent.expand(B, n, -1, -1), attn_mask=allowed, scale=attn.scale
+        )
     else:
         raise ValueError(f"unknown attention core {core!r}; choose 'eager' or 'sdpa'")
     return torch.einsum("bnsr,ndr->bnsd", out, w_uv)

@@ -132,7 +132,10 @@ class DSparkModule(DraftTrainingModule):
     # ---- construction ---------------------------------------------------------------------------------------------
     def _build_draft(self) -> DSparkDrafter:
         settings = self.draft_settings
-        return DSparkDrafter(self.draft_config, block_chunk=settings.block_chunk, kv_form=settings.kv_form)
+        return DSparkDrafter(
+            self.draft_config, block_chunk=settings.block_chunk, kv_form=settings.kv_form,
+            activation_checkpointing=settings.activation_checkpointing,
+        )  # fmt: skip
 
     @override
     def configure_model(self) -> None:

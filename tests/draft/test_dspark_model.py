@@ -3,6 +3,8 @@ attention visibility, the inference cache against the training forward, and Mark
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -112,6 +114,25 @@ def test_chunked_equals_one_shot_forward_and_backward(backend, kv_form):
     for chunk in (2, 4):
         drafter.block_chunk = chunk
         assert_same(forward_and_grads(drafter, embed, *inputs), plain)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_activation_checkpointing_equals_keeping_every_activation_forward_and_backward(backend):
+    drafter, embed, _ = build()
+    drafter.mla_backend, drafter.block_chunk = backend, 2
+    inputs = batch(drafter.config)
+    shapes: dict[bool, list[tuple[int, ...]]] = {}
+    results = {}
+    for recompute in (False, True):  # what autograd holds after the forward, with and without recomputation
+        drafter.activation_checkpointing, shapes[recompute] = recompute, []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, s=shapes[recompute]: s.append(t.shape) or t, lambda t: t
+        ):
+            results[recompute] = forward_and_grads(drafter, embed, *inputs)
+    assert_same(results[True], results[False])
+    per_head = [s for s in shapes[True] if len(s) == 4 and s[1] == drafter.config.num_attention_heads]
+    assert any(len(s) == 4 and s[1] == drafter.config.num_attention_heads for s in shapes[False]) and not per_head
+    assert sum(map(math.prod, shapes[True])) < sum(map(math.prod, shapes[False])) / 2
 
 
 @pytest.mark.parametrize("kv_form", ["latent", "expanded"])
