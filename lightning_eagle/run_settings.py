@@ -244,7 +244,8 @@ class DSparkDraftSettings:
         _choice("model.draft.dtype", self.dtype, DRAFT_DTYPES)
         check_settings("model.draft", {"init_seed": (self.init_seed, "non_negative", int)})
         if not isinstance(self.activation_checkpointing, bool):
-            raise ValueError(f"model.draft.activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
+            got = self.activation_checkpointing
+            raise ValueError(f"model.draft.activation_checkpointing must be a bool, got {got!r}")
 
     def __hash__(self) -> int:  # `config` is a dict: hash what identifies the settings
         return hash((self.preset, tuple(sorted(self.config.items(), key=str)), self.block_chunk, self.kv_form))

@@ -251,9 +251,10 @@ class DSparkDrafter(nn.Module):
         A = anchors.shape[1]
         chunk = A if self.block_chunk is None else self.block_chunk
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        chunks = [(x[:, s : s + chunk], anchors[:, s : s + chunk], context, positions) for s in range(0, A, chunk)]
         outs = [
             checkpoint(self.run_blocks, *args, use_reentrant=False) if recompute else self.run_blocks(*args)
-            for args in ((x[:, s : s + chunk], anchors[:, s : s + chunk], context, positions) for s in range(0, A, chunk))
+            for args in chunks
         ]
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         return out * keep[:, :, None, None].to(out.dtype)
