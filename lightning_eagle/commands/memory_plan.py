@@ -26,13 +26,14 @@ from lightning_eagle.commands.arguments import CommandParser, RunParser
 from lightning_eagle.commands.cli import Eagle3CLI, refuse_flat_settings, run_classes
 from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.draft.config import Eagle3DraftConfig
+from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.k3.config import KimiK3TextConfig
 from lightning_eagle.k3.target_spec import TargetSpec
 from lightning_eagle.parallel.layout import LAYOUT_SETTINGS, ParallelLayout
 from lightning_eagle.parallel.memory import GB
 from lightning_eagle.parallel.memory_plan import PlanInputs, build_plan, format_plan, plan_header, smallest_fit, verdict
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
-from lightning_eagle.run_settings import as_settings, is_dspark_class_path
+from lightning_eagle.run_settings import DSPARK_MODEL_GROUPS, MODEL_GROUPS, as_settings, is_dspark_class_path
 from lightning_eagle.settings import check_settings
 
 
@@ -181,11 +182,12 @@ def _target_config(value: str, fallback: str | None) -> tuple[KimiK3TextConfig, 
     return config, None, label, [notice]
 
 
-def _settings(model: Namespace, group: str):
-    """``model.<group>`` made into its settings type as ``fit`` makes it (``as_settings``: the type's own check)."""
+def _settings(model: Namespace, group: str, groups=MODEL_GROUPS):
+    """``model.<group>`` made into its settings type (of the family's ``groups``) as ``fit`` makes it
+    (``as_settings``: the type's own check)."""
     value = model.get(group)
     try:
-        return as_settings(group, vars(value) if isinstance(value, Namespace) else value or {})
+        return as_settings(group, vars(value) if isinstance(value, Namespace) else value or {}, groups)
     except (TypeError, ValueError) as err:  # the settings' own messages name their key
         raise PlanConfigError(None if str(err).startswith(f"model.{group}") else f"model.{group}", str(err)) from None
 
@@ -233,13 +235,11 @@ def run_config_from_yaml(
     config = parse_run_config(path)
     trainer, model, data = config.trainer, config.model, config.data.init_args
     if "class_path" in model:  # a config naming its family
-        if is_dspark_class_path(model.class_path):
-            raise PlanConfigError(
-                "model.class_path",
-                f"{model.class_path}: the memory plan models EAGLE-3 runs only so far (a DSpark run's draft part: "
-                "context latents, A x g block rows, chunked loss, is not modelled yet)",
-            )
+        dspark = is_dspark_class_path(model.class_path)
         model = model.init_args
+        if dspark:
+            return _dspark_run_config(trainer, model, data, target_config, world, ep, shard_dense, device,
+                                      reserve_gb, moe_load_factor)  # fmt: skip
     target = _settings(model, "target")
     draft_settings = _settings(model, "draft")
     objective = _settings(model, "objective")
@@ -270,6 +270,38 @@ def run_config_from_yaml(
     except PlanConfigError:
         raise
     except ValueError as err:  # the run settings' and the layout's own checks: their messages name the setting
+        raise PlanConfigError(None, str(err)) from None
+    return RunConfig(inputs, gpus, nodes, notices, label)
+
+
+def _dspark_run_config(trainer, model, data, target_config, world, ep, shard_dense, device, reserve_gb,
+                       moe_load_factor) -> RunConfig:  # fmt: skip
+    """A DSpark run's :class:`PlanInputs`: its settings groups, the drafter config as ``DSparkModule`` builds it, and
+    the census of its drafter step at the planned shapes."""
+    from lightning_eagle.training.dspark_memory import dspark_step_census
+    from lightning_eagle.training.dspark_module import dspark_run_spec
+
+    groups = {name: _settings(model, name, DSPARK_MODEL_GROUPS) for name in ("target", "draft", "objective")}
+    target_config_, folder, label, notices = _target_config(groups["target"].path, target_config)
+    try:
+        spec, draft = dspark_run_spec(groups["target"], groups["draft"], None if folder else target_config_)
+    except ValueError as err:
+        raise PlanConfigError(None, str(err)) from None
+    nodes, gpus, layout = _layout(trainer, world, ep, shard_dense, spec.num_experts)
+    for key in ("batch_size", "max_length"):
+        if key not in data:
+            raise PlanConfigError("data", f"the data module has no {key}: the plan needs it")
+    batch, length = _positive_int(data.batch_size, "data.batch_size"), _positive_int(data.max_length, "data.max_length")
+    try:
+        inputs = PlanInputs.for_target(
+            spec, draft, groups["target"], layout=layout, draft_settings=groups["draft"], objective=groups["objective"],
+            batch_size=batch, seq_len=length,
+            accumulate_grad_batches=_positive_int(trainer.accumulate_grad_batches, "trainer.accumulate_grad_batches"),
+            device=device, moe_load_factor=moe_load_factor, reserve_bytes=int(reserve_gb * GB),
+            draft_step=dspark_step_census(draft, groups["draft"], groups["objective"], batch_size=batch,
+                                          seq_len=length, target_dtype=DTYPES[spec.dtype]),
+        )  # fmt: skip
+    except ValueError as err:
         raise PlanConfigError(None, str(err)) from None
     return RunConfig(inputs, gpus, nodes, notices, label)
 

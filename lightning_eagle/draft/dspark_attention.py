@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from lightning_eagle.ops.mla import MLA_CORES, additive_mask
 
 KV_FORMS = ("latent", "expanded")
+SDPA_HEAD_GROUP = 8  # query heads per SDPA call of the latent form (the comment in latent_attention says why)
 
 
 def expanded_attention(attn, q, context, block, allowed, core: str) -> torch.Tensor:
@@ -48,11 +49,20 @@ def latent_attention(attn, q, context, block, allowed, core: str) -> torch.Tenso
     elif core == "sdpa":
         # the one key head as a stride-0 view per query head, not enable_gqa: with a mask the kernel CUDA picks is the
         # memory-efficient one, which torch 2.13 documents without GQA; enable_gqa there would fall back to the math
-        # kernel and its [n, S, T+S] scores (the memory plan, `memory_plan/dspark_step.py`, counts this form)
+        # kernel and its [n, S, T+S] scores. Its backward writes per-head key/value gradients ([h, T+S, r + d_rope]
+        # each, before the view sums them): SDPA_HEAD_GROUP heads per call bound that transient at long contexts.
         B, n = query.shape[:2]
-        out = F.scaled_dot_product_attention(
-            query, keys.expand(B, n, -1, -1), latent.expand(B, n, -1, -1), attn_mask=allowed, scale=attn.scale
-        )
+        parts = [
+            F.scaled_dot_product_attention(
+                q,
+                keys.expand(B, q.shape[1], -1, -1),
+                latent.expand(B, q.shape[1], -1, -1),
+                attn_mask=allowed,
+                scale=attn.scale,
+            )
+            for q in query.split(SDPA_HEAD_GROUP, dim=1)
+        ]
+        out = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
     else:
         raise ValueError(f"unknown attention core {core!r}; choose 'eager' or 'sdpa'")
     return torch.einsum("bnsr,ndr->bnsd", out, w_uv)

@@ -33,6 +33,7 @@ from lightning_eagle.draft.dspark_config import DSPARK_PRESETS, DSparkDraftConfi
 from lightning_eagle.draft.dspark_export import DSPARK_CHECKPOINT_CONFIG_KEY
 from lightning_eagle.draft.materialize import build_on_meta, materialize
 from lightning_eagle.dtypes import DTYPES
+from lightning_eagle.k3.config import KimiK3TextConfig
 from lightning_eagle.k3.target_spec import TargetSpec
 from lightning_eagle.parallel.dense_shard import is_sharded
 from lightning_eagle.parallel.frozen_target import root_device
@@ -64,15 +65,18 @@ from lightning_eagle.training.target_source import target_source
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 
-def dspark_run_spec(target: TargetSettings, draft: DSparkDraftSettings) -> tuple[TargetSpec, DSparkDraftConfig]:
+def dspark_run_spec(
+    target: TargetSettings, draft: DSparkDraftSettings, config: KimiK3TextConfig | None = None
+) -> tuple[TargetSpec, DSparkDraftConfig]:
     """The target spec and drafter config of a DSpark run, each validated once: the taps are
-    ``model.target.aux_layer_ids`` (None: the preset's), the vocabulary, width and depth the target's."""
+    ``model.target.aux_layer_ids`` (None: the preset's), the vocabulary, width and depth the target's. ``config``:
+    the target's text config standing in for a checkpoint folder that is not on this machine (the memory plan)."""
     if draft.preset not in DSPARK_PRESETS:
         raise ValueError(f"model.draft.preset {draft.preset!r} is unknown; choose one of {sorted(DSPARK_PRESETS)}")
     taps = target.aux_layer_ids or tuple(DSPARK_PRESETS[draft.preset]["target_layer_ids"])
     where = "model.target.aux_layer_ids" + ("" if target.aux_layer_ids else f" (preset {draft.preset!r}'s)")
     try:
-        spec = TargetSpec.from_settings(dataclasses.replace(target, aux_layer_ids=taps), tap_count=None)
+        spec = TargetSpec.from_settings(dataclasses.replace(target, aux_layer_ids=taps), config=config, tap_count=None)
     except ValueError as err:
         raise ValueError(f"{where} {list(taps)}: {err}") from None
     text = spec.config

@@ -29,9 +29,6 @@ from pathlib import Path
 import pytest
 import torch
 from plan_helpers import flat_plan_inputs, plan_with
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from lightning_eagle.commands.memory_plan import main as memory_plan_main
 from lightning_eagle.commands.memory_plan import run_config_from_yaml
@@ -177,28 +174,6 @@ def measure(specs: list[dict]) -> list[dict]:
 
 
 # ---- the draft unroll against an exact census on the meta device ---------------------------------------------------
-class LiveBytes(TorchDispatchMode):
-    """Every storage an op creates, watched through a weak reference: live bytes after each op, and their peak."""
-
-    def __init__(self, ignore: set[int]) -> None:
-        super().__init__()
-        self.ignore, self.refs, self.peak = ignore, {}, 0
-
-    def live(self) -> int:
-        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
-        return sum(n for _, n in self.refs.values())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if storage._cdata not in self.refs and storage._cdata not in self.ignore:
-                    self.refs[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
-        self.peak = max(self.peak, self.live())
-        return out
-
-
 def k3_inputs(**changes) -> PlanInputs:
     target = config_from_name("k3")
     draft = Eagle3DraftConfig.from_target_config(target, draft_vocab_size=32000)
@@ -215,7 +190,7 @@ def k3_inputs(**changes) -> PlanInputs:
 )
 def test_unroll_terms_match_the_census_of_the_real_unroll(inputs):
     # the census that answers the unroll's host reads on meta (the CausalBlock padding check); the module-level
-    # import would be circular: that file reuses this one's LiveBytes
+    # import would be circular: that file reuses this one's specs
     from test_parallel_memory_plan_unroll import unroll_census
 
     inputs = inputs()

@@ -30,8 +30,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from plan_helpers import flat_plan_inputs, plan_with
-from test_parallel_memory_plan import MEDIUM, LiveBytes, plan_inputs
-from test_parallel_memory_plan_unroll import meta_autocast_as_cpu
+from test_parallel_memory_plan import MEDIUM, plan_inputs
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -39,6 +38,7 @@ from lightning_eagle.draft import Eagle3DraftConfig
 from lightning_eagle.k3 import config_from_name
 from lightning_eagle.parallel.memory import SkipInit, target_shapes
 from lightning_eagle.parallel.memory_plan import PlanInputs, build_plan
+from lightning_eagle.parallel.memory_plan.census import LiveBytes, meta_autocast_as_cpu
 from lightning_eagle.parallel.memory_plan.cpu_probe import PROBE_ENV
 from lightning_eagle.parallel.memory_plan.target_forward import (
     chunked_layer_parts,

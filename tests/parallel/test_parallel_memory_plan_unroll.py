@@ -17,18 +17,18 @@ every slot, the plan's worst case).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import pytest
 import torch
 from plan_helpers import plan_with
-from test_parallel_memory_plan import MEDIUM, TINY, LiveBytes, k3_inputs, plan_inputs
+from test_parallel_memory_plan import MEDIUM, TINY, k3_inputs, plan_inputs
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_eagle.draft import KimiK3Eagle3Draft
 from lightning_eagle.parallel.memory import SkipInit
 from lightning_eagle.parallel.memory_plan import PlanInputs
+from lightning_eagle.parallel.memory_plan.census import LiveBytes, meta_autocast_as_cpu
 from lightning_eagle.parallel.memory_plan.draft_backward import unroll_peak
 from lightning_eagle.parallel.memory_plan.draft_forward import (
     DraftDims,
@@ -77,24 +77,6 @@ class CensusBytes(LiveBytes):
         elif meta and func in (aten.zeros.default, aten.new_zeros.default) and out.dtype == torch.bool:
             self.true_counts[out.untyped_storage()._cdata] = 0
         return out
-
-
-@contextlib.contextmanager
-def meta_autocast_as_cpu():
-    """The fused chunked loss records and re-enters the autocast state of its input's device, which torch has no
-    notion of for ``meta``: answer as for CPU (autocast off there), which runs the same ops."""
-    is_enabled, get_dtype, autocast = torch.is_autocast_enabled, torch.get_autocast_dtype, torch.autocast
-
-    def cpu(device_type):
-        return "cpu" if device_type == "meta" else device_type
-
-    torch.is_autocast_enabled = lambda *device: is_enabled(*map(cpu, device))
-    torch.get_autocast_dtype = lambda device: get_dtype(cpu(device))
-    torch.autocast = lambda device_type, *a, **k: autocast(cpu(device_type), *a, **k)
-    try:
-        yield
-    finally:
-        torch.is_autocast_enabled, torch.get_autocast_dtype, torch.autocast = is_enabled, get_dtype, autocast
 
 
 def unroll_census(inputs: PlanInputs) -> tuple[int, int]:

@@ -47,16 +47,20 @@ the CPU kernels instead (fused CPU flash attention, single-tensor AdamW), for th
 
 The files, one idea each: :mod:`.inputs` (what the plan reads), :mod:`.draft_shapes` (the draft's parameters),
 :mod:`.draft_forward` / :mod:`.draft_backward` (the TTT unroll), :mod:`.target_forward` (the no-grad capture),
-:mod:`.plan` (the terms of each phase), :mod:`.fit` (the smallest cluster that fits), :mod:`.report` (the printout).
+:mod:`.plan` (the terms of each phase), :mod:`.dspark_plan` (a DSpark run's: the drafter's step is a census of the
+real code on meta, :mod:`.census`), :mod:`.terms`, :mod:`.fit` (the smallest cluster that fits), :mod:`.report`
+(the printout).
 """
 
 from lightning_eagle.parallel.memory_plan.draft_shapes import DraftShapes, draft_shapes
 from lightning_eagle.parallel.memory_plan.fit import Fit, legal_ep_sizes, smallest_fit
-from lightning_eagle.parallel.memory_plan.inputs import PHASES, RESIDENT, PlanInputs
-from lightning_eagle.parallel.memory_plan.plan import MemoryPlan, Term, build_plan
+from lightning_eagle.parallel.memory_plan.inputs import DSPARK_PHASES, PHASES, RESIDENT, PlanInputs
+from lightning_eagle.parallel.memory_plan.plan import MemoryPlan, build_plan
 from lightning_eagle.parallel.memory_plan.report import format_plan, plan_header, verdict
+from lightning_eagle.parallel.memory_plan.terms import Term
 
 __all__ = [
+    "DSPARK_PHASES",
     "PHASES",
     "RESIDENT",
     "DraftShapes",

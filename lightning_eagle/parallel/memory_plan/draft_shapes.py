@@ -1,5 +1,6 @@
-"""The draft's parameters by role, counted on the real :class:`~lightning_eagle.draft.KimiK3Eagle3Draft` built on the
-meta device: what it holds, what it trains, and in which order the backward produces the gradients."""
+"""The draft's parameters by role, counted on the real module built on the meta device
+(:class:`~lightning_eagle.draft.KimiK3Eagle3Draft`, or the DSpark drafter): what it holds, what it trains, and (EAGLE-3)
+in which order the backward produces the gradients."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_eagle.draft.config import Eagle3DraftConfig
+from lightning_eagle.draft.dspark_config import DSparkDraftConfig
 from lightning_eagle.parallel.memory import SkipInit
 
 # Trainable parameters by the order their gradients appear when one TTT step is back-propagated (the reverse of the
@@ -60,3 +62,22 @@ def draft_shapes(config: Eagle3DraftConfig) -> DraftShapes:
         projection=projection,
         groups=tuple((g, sum(sizes), max(sizes, default=0)) for g, sizes in grouped.items()),
     )
+
+
+def dspark_draft_shapes(config: DSparkDraftConfig) -> DraftShapes:
+    """The DSpark drafter's parameters, from the real module on meta: all trained (the embedding and ``lm_head`` are
+    the target's, not the drafter's); ``projection`` is ``context_proj``. Its backward is a census, not groups."""
+    from lightning_eagle.draft.dspark import DSparkDrafter
+
+    with torch.device("meta"), SkipInit():
+        drafter = DSparkDrafter(config)
+    sizes = {n: p.numel() for n, p in drafter.named_parameters()}
+    return DraftShapes(
+        trainable=sum(sizes.values()), frozen=0, buffer_bytes=0, largest_trainable=max(sizes.values()),
+        projection=sizes["context_proj.weight"], groups=(),
+    )  # fmt: skip
+
+
+def shapes_of(config: Eagle3DraftConfig | DSparkDraftConfig) -> DraftShapes:
+    """The :class:`DraftShapes` of either family's config."""
+    return dspark_draft_shapes(config) if isinstance(config, DSparkDraftConfig) else draft_shapes(config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_eagle.parallel.memory import target_shapes
-from lightning_eagle.parallel.memory_plan.draft_shapes import draft_shapes
+from lightning_eagle.parallel.memory_plan.draft_shapes import shapes_of
 from lightning_eagle.parallel.memory_plan.inputs import PlanInputs
 from lightning_eagle.parallel.memory_plan.plan import MemoryPlan, build_plan, resident_terms
 
@@ -26,7 +26,7 @@ class Fit:
 
 def smallest_fit(inputs: PlanInputs, gpu_bytes: int, gpus_per_node: int, max_nodes: int = 256) -> Fit | None:
     """The fewest nodes (of ``gpus_per_node`` GPUs) on which some legal EP size fits, with the smallest such EP."""
-    target, draft = target_shapes(inputs.target), draft_shapes(inputs.draft)
+    target, draft = target_shapes(inputs.target), shapes_of(inputs.draft)
     for nodes in range(1, max_nodes + 1):
         world = nodes * gpus_per_node
         for ep in legal_ep_sizes(inputs.target.num_experts, world):

@@ -17,10 +17,12 @@ import torch
 
 from lightning_eagle.backends import LOSS_BACKEND, TTT_ATTENTION_BACKEND
 from lightning_eagle.draft.config import Eagle3DraftConfig
+from lightning_eagle.draft.dspark_config import DSparkDraftConfig
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.k3.config import KimiK3TextConfig
 from lightning_eagle.parallel.layout import ParallelLayout
 from lightning_eagle.parallel.memory import GB, check_ep_size
+from lightning_eagle.parallel.memory_plan.census import StepCensus
 from lightning_eagle.run_settings import (
     DraftSettings,
     ObjectiveSettings,
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 
 RESIDENT = "resident"
 PHASES = ("target forward", "teacher", "draft unroll", "optimizer step")
+DSPARK_PHASES = ("target forward", "teacher head", "draft blocks", "optimizer step")
 FP32 = 4  # bytes
 
 
@@ -44,10 +47,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 @dataclass(frozen=True)
 class PlanInputs:
     """Everything the plan reads from a run config (``lightning-eagle memory-plan`` reads one), plus the stated
-    assumptions. The properties below are the plan's view of the settings: sizes and ``auto`` resolved."""
+    assumptions. The properties below are the plan's view of the settings: sizes and ``auto`` resolved.
+
+    A DSpark run (``draft`` a :class:`DSparkDraftConfig`, the settings groups DSpark's) carries the census of its
+    drafter step in ``draft_step`` (:func:`lightning_eagle.training.dspark_memory.dspark_step_census`)."""
 
     target: KimiK3TextConfig
-    draft: Eagle3DraftConfig  # built with the run's overrides; ``draft_vocab_size`` is N_d
+    draft: (
+        Eagle3DraftConfig | DSparkDraftConfig
+    )  # built with the run's overrides; EAGLE-3's ``draft_vocab_size`` is N_d
     layout: ParallelLayout = ParallelLayout(world_size=1)
     target_settings: TargetSettings = TargetSettings()
     draft_settings: DraftSettings = DraftSettings()
@@ -59,6 +67,7 @@ class PlanInputs:
     flex_available: bool = True  # the planned GPUs have Triton (torch's CUDA wheels ship it): auto → flex_attention
     moe_load_factor: float = 1.25
     reserve_bytes: int = int(4 * GB)
+    draft_step: StepCensus | None = None
 
     def __post_init__(self) -> None:
         if self.layout.world_size is None:
@@ -68,6 +77,9 @@ class PlanInputs:
                             ("accumulate_grad_batches", self.accumulate_grad_batches)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.family == "dspark":
+            self._check_dspark()
+            return
         check_draft_sequence_parallel(
             self.draft_sp, num_attention_heads=self.draft.num_attention_heads, draft=self.draft_settings,
             target_source=self.target_settings.source,
@@ -83,6 +95,31 @@ class PlanInputs:
                 raise ValueError(
                     f"model.draft.config.{name}={getattr(self.draft, name)!r} is not modelled by the memory plan"
                 )
+
+    def _check_dspark(self) -> None:
+        if self.draft_step is None:
+            raise ValueError("a DSpark plan needs the census of its drafter step (PlanInputs.draft_step)")
+        if self.draft_sp != 1:
+            raise ValueError(
+                f"trainer.strategy.init_args.draft_sequence_parallel_size={self.draft_sp}: a DSpark draft has no "
+                "sequence parallelism (its cost is A x g block rows against the context); use 1"
+            )
+        if self.device != "cuda":
+            raise ValueError(f"--device {self.device}: the DSpark plan counts CUDA's attention kernel only")
+        if self.target_settings.source != "online":
+            raise ValueError(
+                f"model.target.source={self.target_settings.source!r} is not modelled by the memory plan (only "
+                "'online': a run from dumped features holds no target)"
+            )
+
+    @property
+    def family(self) -> str:
+        """``"dspark"`` or ``"eagle3"``: which draft family the run trains."""
+        return "dspark" if isinstance(self.draft, DSparkDraftConfig) else "eagle3"
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        return DSPARK_PHASES if self.family == "dspark" else PHASES
 
     def with_world(self, world: int, ep: int) -> PlanInputs:
         """The same run on ``world`` ranks at expert-parallel size ``ep``."""
@@ -125,7 +162,7 @@ class PlanInputs:
 
     @property
     def draft_shard(self) -> bool:
-        return self.draft_settings.shard
+        return getattr(self.draft_settings, "shard", False)
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -171,10 +208,12 @@ class PlanInputs:
     @property
     def taps(self) -> tuple[int, ...]:
         ids = self.target_settings.aux_layer_ids
-        return tuple(ids if ids is not None else (self.draft.aux_layer_ids or ()))
+        if ids is None:
+            ids = self.draft.target_layer_ids if self.family == "dspark" else self.draft.aux_layer_ids
+        return tuple(ids or ())
 
     @classmethod
-    def for_target(cls, spec: TargetSpec, draft: Eagle3DraftConfig, target_settings: TargetSettings,
+    def for_target(cls, spec: TargetSpec, draft: Eagle3DraftConfig | DSparkDraftConfig, target_settings: TargetSettings,
                    **settings) -> PlanInputs:  # fmt: skip
         """The inputs of a run on ``spec``'s target (its config and resolved taps, already validated); ``settings``
         are the other fields (layout, settings groups, micro-batch, assumptions)."""

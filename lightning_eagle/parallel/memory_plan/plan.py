@@ -5,22 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_eagle.parallel.memory import GB, TargetShapes, routed_bytes, target_shapes
+from lightning_eagle.parallel.memory import TargetShapes, routed_bytes, target_shapes
 from lightning_eagle.parallel.memory_plan.draft_backward import unroll_peak
 from lightning_eagle.parallel.memory_plan.draft_forward import DraftDims, cache_entry_kept, unroll_shared_saved
-from lightning_eagle.parallel.memory_plan.draft_shapes import DraftShapes, draft_shapes
+from lightning_eagle.parallel.memory_plan.draft_shapes import DraftShapes, shapes_of
+from lightning_eagle.parallel.memory_plan.dspark_plan import dspark_terms
 from lightning_eagle.parallel.memory_plan.inputs import FP32, PHASES, RESIDENT, PlanInputs, dtype_name
 from lightning_eagle.parallel.memory_plan.target_forward import target_forward_peak
-
-
-@dataclass(frozen=True)
-class Term:
-    """One line of the plan: bytes a rank holds for ``name`` during ``phase`` (or for the whole run: resident)."""
-
-    phase: str
-    name: str
-    nbytes: int
-    note: str = ""
+from lightning_eagle.parallel.memory_plan.terms import Term, gb, shard
 
 
 @dataclass(frozen=True)
@@ -39,7 +31,7 @@ class MemoryPlan:
 
     @property
     def peak_phase(self) -> str:
-        return max(PHASES, key=self.phase_bytes)
+        return max(self.inputs.phases, key=self.phase_bytes)
 
     @property
     def peak_bytes(self) -> int:
@@ -49,24 +41,15 @@ class MemoryPlan:
         return next(t for t in self.terms if t.name == name)
 
 
-def _gb(n: int) -> str:
-    return f"{n / GB:.2f} GB"
-
-
-def _shard(numel: int, inputs: PlanInputs) -> int:
-    """Elements of a draft tensor set one rank holds: all of them, or ``ceil(numel / world)`` with ``draft_shard``."""
-    return -(-numel // inputs.world) if inputs.draft_shard else numel
-
-
 def resident_terms(inputs: PlanInputs, target: TargetShapes, draft: DraftShapes) -> list[Term]:
     c, t_dt, s = inputs.target, inputs.target_dtype, inputs.draft_dtype.itemsize
     experts = c.num_experts // inputs.ep
     full = target.dense_bytes(t_dt)
     dense_note = (
-        f"FSDP2 shards over {inputs.world} ranks (full copy {_gb(full)})" if inputs.dense_sharded else "replicated"
+        f"FSDP2 shards over {inputs.world} ranks (full copy {gb(full)})" if inputs.dense_sharded else "replicated"
     )
     storage = "MXFP4 packed" if inputs.expert_storage == "mxfp4" else f"dequantised {dtype_name(t_dt)}"
-    trainable = _shard(draft.trainable, inputs)
+    trainable = shard(draft.trainable, inputs)
     sharded = f", sharded over {inputs.world}" if inputs.draft_shard else ""
     terms = [
         Term(RESIDENT, "target dense weights", target.dense_held_bytes(t_dt, inputs.world, inputs.dense_sharded),
@@ -75,8 +58,9 @@ def resident_terms(inputs: PlanInputs, target: TargetShapes, draft: DraftShapes)
              routed_bytes(target.routed_weights_per_expert * experts, t_dt, inputs.expert_storage),
              f"{experts} experts/layer at expert_parallel_size {inputs.ep}, {storage}"),
         Term(RESIDENT, "draft parameters", (trainable + draft.frozen) * s + draft.buffer_bytes,
-             f"{draft.trainable / 1e9:.3g} B trainable{sharded} + {draft.frozen / 1e9:.3g} B frozen embedding, "
-             f"{dtype_name(inputs.draft_dtype)}"),
+             f"{draft.trainable / 1e9:.3g} B trainable{sharded}"
+             + (f" + {draft.frozen / 1e9:.3g} B frozen embedding" if draft.frozen else "")
+             + f", {dtype_name(inputs.draft_dtype)}"),
         Term(RESIDENT, "AdamW states", 2 * trainable * s,
              f"exp_avg + exp_avg_sq in the parameter dtype ({dtype_name(inputs.draft_dtype)}; no fp32 master copy)"),
     ]  # fmt: skip
@@ -114,8 +98,8 @@ def gather_note(inputs: PlanInputs, target: TargetShapes, where: str) -> str:
     size, first, second = max(pairs)
     head = target.lm_head.nbytes(dt)
     return (
-        f"running unit + prefetched next at {where}; largest pair {first} + {second} {_gb(size)}, "
-        f"lm_head {_gb(head)} (teacher phase)"
+        f"running unit + prefetched next at {where}; largest pair {first} + {second} {gb(size)}, "
+        f"lm_head {gb(head)} (teacher phase)"
     )
 
 
@@ -150,12 +134,12 @@ def teacher_terms(inputs: PlanInputs, target: TargetShapes) -> list[Term]:
         chunk = rows * N_d * FP32 * 2  # the chunk's draft logits and their softmax (for draft_argmax)
         kept = N * (8 + 8 + 1) + N_d * H_t * st
         terms.append(Term(phase, "chunked teacher + chunk tile", kept + chunk + tile + V * 8,
-                          f"top, draft argmax, pos per row + lm_head[selected] [N_d,H_t] {_gb(N_d * H_t * st)}; "
+                          f"top, draft argmax, pos per row + lm_head[selected] [N_d,H_t] {gb(N_d * H_t * st)}; "
                           f"tile {rows}×{cols}"))  # fmt: skip
     else:
         logits = N * N_d * FP32
         terms.append(Term(phase, "teacher logits + softmax / chunk tile", logits + max(tile, logits) + V * 8,
-                          f"[B,T,N_d] fp32 ×2 (tile {rows}×{cols}: {_gb(tile)})"))  # fmt: skip
+                          f"[B,T,N_d] fp32 ×2 (tile {rows}×{cols}: {gb(tile)})"))  # fmt: skip
     if inputs.dense_sharded and target.lm_head.params:
         terms.append(Term(phase, "lm_head gathered for the teacher", target.lm_head.nbytes(inputs.target_dtype)))
     return terms
@@ -196,7 +180,7 @@ def draft_unroll_terms(inputs: PlanInputs, draft: DraftShapes) -> list[Term]:
              f"peak at {up.where}"),
     ]  # fmt: skip
     if inputs.draft_shard:
-        gathered = (draft.trainable - _shard(draft.trainable, inputs)) * d.s
+        gathered = (draft.trainable - shard(draft.trainable, inputs)) * d.s
         terms.append(Term(phase, "draft parameters gathered (FSDP2)", gathered))
     return terms
 
@@ -207,8 +191,8 @@ def optimizer_terms(inputs: PlanInputs, draft: DraftShapes) -> list[Term]:
     gradient at a time to fp32 before the step."""
     phase = PHASES[3]
     s = inputs.draft_dtype.itemsize
-    trainable = _shard(draft.trainable, inputs)
-    largest = _shard(draft.largest_trainable, inputs)
+    trainable = shard(draft.trainable, inputs)
+    largest = shard(draft.largest_trainable, inputs)
     foreach = trainable * s if inputs.device != "cpu" else 2 * largest * s
     terms = [Term(phase, "optimizer temporaries", max(foreach, largest * FP32),
                   "foreach AdamW: sqrt(exp_avg_sq) of every parameter" if inputs.device != "cpu" else
@@ -221,12 +205,15 @@ def optimizer_terms(inputs: PlanInputs, draft: DraftShapes) -> list[Term]:
 def build_plan(inputs: PlanInputs, target: TargetShapes | None = None, draft: DraftShapes | None = None) -> MemoryPlan:
     """The per-rank plan of ``inputs``; pass precomputed shapes when planning many layouts of one run."""
     target = target or target_shapes(inputs.target)
-    draft = draft or draft_shapes(inputs.draft)
+    draft = draft or shapes_of(inputs.draft)
+    if inputs.family == "dspark":
+        family = dspark_terms(inputs, target, draft)
+    else:
+        family = [*teacher_terms(inputs, target), *draft_unroll_terms(inputs, draft)]
     terms = [
         *resident_terms(inputs, target, draft),
         *target_forward_terms(inputs, target),
-        *teacher_terms(inputs, target),
-        *draft_unroll_terms(inputs, draft),
+        *family,
         *optimizer_terms(inputs, draft),
     ]
     return MemoryPlan(inputs, tuple(terms))
