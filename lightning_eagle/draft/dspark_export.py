@@ -20,6 +20,7 @@ Written atomically (:func:`lightning_eagle.atomic.atomic_dir`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -42,30 +43,11 @@ DSPARK_CHECKPOINT_CONFIG_KEY = "dspark_draft_config"
 # K3DSparkConfig raises on any of these set (the NoPE / gated / q-k-normed K3 MLA, the bonus anchor)
 VLLM_REFUSED_FLAGS = ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dspark_bonus_anchor")
 FP32_PREFIXES = ("confidence_head.",)  # vLLM keeps the confidence head in fp32
-# Fields written under the same name as the config's (vLLM reads them so).
-_PLAIN_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "rms_norm_eps",
-    "vocab_size",
-    "target_hidden_size",
-    "block_size",
-    "mask_token_id",
-    "markov_rank",
-    "enable_confidence_head",
-    "max_position_embeddings",
-    "hidden_act",
-    # project fields (vLLM ignores them; our re-import reads them)
-    "target_num_hidden_layers",
-    "aux_hidden_state_stream",
-)
+# The config's fields the export writes in another form (``rope_parameters``) or beside a derived twin
+# (``num_target_layers``); every other field of DSparkDraftConfig is written and read under its own name (vLLM reads
+# the architecture ones so; ours, like ``target_num_hidden_layers`` and ``aux_hidden_state_stream``, it ignores).
+_FIELDS_WRITTEN_OTHERWISE = ("target_layer_ids", "rope_theta", "rope_scaling")
+_PLAIN_FIELDS = tuple(f.name for f in dataclasses.fields(DSparkDraftConfig) if f.name not in _FIELDS_WRITTEN_OTHERWISE)
 
 
 def rope_parameters(config: DSparkDraftConfig) -> dict[str, Any]:
