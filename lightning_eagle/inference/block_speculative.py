@@ -3,7 +3,8 @@ them, lossless acceptance (`dspark.md`, "Inference"; vLLM's ``DSparkSpeculator``
 
 The drafter's context cache (:class:`~lightning_eagle.draft.dspark.DSparkContextCache`) holds the target's states
 at the drafter's ``target_layer_ids`` (its recorded AttnRes stream, what the export records and training read) of
-every *verified* position. The prefill, in chunks of ``prefill_chunk`` prompt tokens (None = one chunk):
+every *verified* position. The prefill (:func:`~lightning_eagle.inference.speculative.prefill_prompt`, shared with
+the chain loop), in chunks of ``prefill_chunk`` prompt tokens (None = one chunk):
 
 0. for chunk ``[s, e)`` the target extends by ``x_s..x_{e−1}`` and the cache appends the chunk's states at once (a
    block needs no next token, unlike an EAGLE-3 slot); the last chunk's last logits give the target's first token.
@@ -43,13 +44,14 @@ import torch
 
 from lightning_eagle.draft.dspark import DSparkContextCache, DSparkDrafter
 from lightning_eagle.inference.aux_ids import resolve_block_taps
-from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, IncrementalTarget, chunk_bounds
+from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, IncrementalTarget, TargetStep
 from lightning_eagle.inference.sampling import pick_token, verify_drafts
 from lightning_eagle.inference.speculative import (
     SpeculativeOutput,
     as_prompt_tensor,
     check_generation_settings,
     make_generator,
+    prefill_prompt,
 )
 
 
@@ -153,18 +155,12 @@ def block_speculative_generate(
 
     # 0. the prefill, chunk by chunk; the cache is needed only when a round follows the first token
     cache = DSparkContextCache(drafter)
-    drafting = max_new_tokens > 1
-    T = prompt.shape[1]
-    for begin, end in chunk_bounds(T, prefill_chunk):
-        t0 = time.perf_counter()
-        step = session.prefill_chunk(prompt[:, begin:end], begin, return_logits="last" if end == T else False)
-        t1 = time.perf_counter()
-        out.target_seconds += t1 - t0
-        if drafting:
-            cache.append(step.aux_hidden_states)
-            out.draft_seconds += time.perf_counter() - t1
+
+    def draft_context(step: TargetStep, begin: int, end: int) -> None:
+        cache.append(step.aux_hidden_states)  # a block needs no next token: the chunk's states join at once
+
+    step = prefill_prompt(session, prompt, prefill_chunk, out, draft_context if max_new_tokens > 1 else None)
     token = pick_token(step.logits[0, -1], temperature, gen, top_p)
-    out.target_forwards = 1  # the prefill counts once, whatever its number of chunks
     going = out.emit([token], stop, max_new_tokens)
 
     while going:

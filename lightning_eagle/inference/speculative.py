@@ -1,6 +1,7 @@
 """The speculative-decoding loop: chain drafting, one target forward verifies all K drafts, lossless acceptance.
 
-The prefill, in chunks of ``prefill_chunk`` prompt tokens (None = one chunk), for chunk ``[s, e)`` of the prompt:
+The prefill (:func:`prefill_prompt`, shared with the block loop), in chunks of ``prefill_chunk`` prompt tokens (None =
+one chunk), for chunk ``[s, e)`` of the prompt:
 
 0. the target extends by ``x_s..x_{e−1}`` (the first chunk starts the cache; no rollback point is kept) and the draft
    gains slots s..e−1 with the chunk's aux features and next tokens ``x_{s+1}..x_e``. The last slot's next token is
@@ -31,7 +32,7 @@ Tree drafting is an extension point: any :class:`~lightning_eagle.inference.draf
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ from lightning_eagle.inference.draft_runner import DraftRunner
 from lightning_eagle.inference.incremental_target import (
     DEFAULT_PREFILL_CHUNK,
     IncrementalTarget,
+    TargetStep,
     check_prefill_chunk,
     chunk_bounds,
 )
@@ -144,6 +146,31 @@ def cut_at_stop(tokens: list[int], stop: set[int]) -> tuple[list[int], bool]:
     return tokens, False
 
 
+def prefill_prompt(
+    session: IncrementalTarget,
+    prompt: torch.Tensor,
+    prefill_chunk: int | None,
+    out: SpeculativeOutput,
+    draft_chunk: Callable[[TargetStep, int, int], None] | None = None,
+) -> TargetStep:
+    """Step 0 of every speculative loop: ``prompt [1,T]`` into the target's cache, ``prefill_chunk`` tokens per
+    forward (None = one), each chunk's step handed to ``draft_chunk(step, begin, end)`` at once (the draft's side of
+    chunk ``[begin, end)``: its slots, or its context cache), so one chunk's aux states are the only ones alive.
+    Target and draft time go to ``out``; the prefill counts as one target forward whatever its number of chunks.
+    Returns the last chunk's step: its last logits choose the first new token."""
+    T = prompt.shape[1]
+    for begin, end in chunk_bounds(T, prefill_chunk):
+        t0 = time.perf_counter()
+        step = session.prefill_chunk(prompt[:, begin:end], begin, return_logits="last" if end == T else False)
+        t1 = time.perf_counter()
+        out.target_seconds += t1 - t0
+        if draft_chunk is not None:
+            draft_chunk(step, begin, end)
+            out.draft_seconds += time.perf_counter() - t1
+    out.target_forwards = 1
+    return step
+
+
 @torch.no_grad()
 def speculative_generate(
     target,
@@ -186,22 +213,20 @@ def speculative_generate(
         return out
 
     # 0. the prefill, chunk by chunk; the draft needs slots only when a round will follow the first token
+    T = prompt.shape[1]
+
+    def draft_slots(step: TargetStep, begin: int, end: int) -> None:
+        if end < T:  # the last chunk's slots wait for their last next token: the target's first pick
+            drafter.extend(step.aux_hidden_states, prompt[:, begin + 1 : end + 1])
+
     drafting = max_new_tokens > 1
     if drafting:
         drafter.reset()
-    T = prompt.shape[1]
-    for begin, end in chunk_bounds(T, prefill_chunk):
-        t0 = time.perf_counter()
-        step = session.prefill_chunk(prompt[:, begin:end], begin, return_logits="last" if end == T else False)
-        t1 = time.perf_counter()
-        out.target_seconds += t1 - t0
-        if drafting and end < T:
-            drafter.extend(step.aux_hidden_states, prompt[:, begin + 1 : end + 1])
-            out.draft_seconds += time.perf_counter() - t1
+    step = prefill_prompt(session, prompt, prefill_chunk, out, draft_slots if drafting else None)
     token = pick_token(step.logits[0, -1], temperature, gen, top_p)
-    out.target_forwards = 1  # the prefill counts once, whatever its number of chunks
     if out.emit([token], stop, max_new_tokens):
         t0 = time.perf_counter()
+        begin = T - step.hidden_states.shape[1]  # where the last chunk starts
         next_ids = torch.cat([prompt[0, begin + 1 :], prompt.new_tensor([token])])
         drafter.extend(step.aux_hidden_states, next_ids[None])
         out.draft_seconds += time.perf_counter() - t0
