@@ -31,14 +31,13 @@ first K are verified. ``accepted_per_round`` records a per round (0..K), so τ =
 target's distributions at that position (both conditioned on the drafted prefix): at ``temperature > 0`` those the
 sampling and the verification use, at 0 the untempered ones (temperature 1, what training's ``tau_sim`` compares).
 ``1 + Σ_k Π_{i≤k} (1 − TV_i)`` is then the expected tokens per round of rejection sampling along that path
-(:attr:`BlockSpeculativeOutput.tau_analytic`).
+(:attr:`~lightning_eagle.inference.speculative.SpeculativeOutput.tau_analytic`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -53,30 +52,6 @@ from lightning_eagle.inference.speculative import (
     make_generator,
     prefill_prompt,
 )
-
-
-def analytic_tau(tv_per_round: list[list[float]]) -> float:
-    """Mean over rounds of ``1 + Σ_k Π_{i≤k} (1 − TV_i)`` (nan without a round)."""
-    if not tv_per_round:
-        return float("nan")
-    total = 0.0
-    for tvs in tv_per_round:
-        survival = torch.tensor([1.0 - tv for tv in tvs], dtype=torch.float64).clamp(0.0, 1.0).cumprod(0)
-        total += 1.0 + float(survival.sum())
-    return total / len(tv_per_round)
-
-
-@dataclass
-class BlockSpeculativeOutput(SpeculativeOutput):
-    """One prompt's block speculative decoding: :class:`~lightning_eagle.inference.speculative.SpeculativeOutput`'s
-    fields, and per round the total variation of each drafted position (module docstring)."""
-
-    tv_per_round: list[list[float]] = field(default_factory=list, repr=False)
-
-    @property
-    def tau_analytic(self) -> float:
-        """Expected tokens per round of rejection sampling from the measured TVs (:func:`analytic_tau`)."""
-        return analytic_tau(self.tv_per_round)
 
 
 def check_drafter(target, drafter) -> tuple[list[int], str]:
@@ -128,7 +103,7 @@ def block_speculative_generate(
     stop_token_ids: Iterable[int] | None = None,
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     top_p: float = 1.0,
-) -> BlockSpeculativeOutput:
+) -> SpeculativeOutput:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with ``drafter`` proposing blocks of
     ``num_draft_tokens`` (None = its block size) and ``target`` verifying them (module docstring). Lossless: the
     target's greedy output at ``temperature=0``, its sampling distribution at ``temperature > 0``.
@@ -149,7 +124,7 @@ def block_speculative_generate(
     gen = make_generator(seed, device)
     stop = set(int(t) for t in (stop_token_ids or ()))
     embed, lm_head = target.model.embed_tokens, target.lm_head
-    out = BlockSpeculativeOutput(tokens=[], accepted_per_round=[], num_draft_tokens=K)
+    out = SpeculativeOutput(tokens=[], accepted_per_round=[], num_draft_tokens=K)
     if max_new_tokens == 0:
         return out
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,12 +54,27 @@ from lightning_eagle.settings import DEFAULT_TTT_STEPS
 DEFAULT_NUM_DRAFT_TOKENS = DEFAULT_TTT_STEPS
 
 
+def analytic_tau(tv_per_round: list[list[float]]) -> float:
+    """Mean over rounds of ``1 + Σ_k Π_{i≤k} (1 − TV_i)`` (nan without a round): the tokens per round rejection
+    sampling expects from the total variations measured at each drafted position."""
+    if not tv_per_round:
+        return float("nan")
+    total = 0.0
+    for tvs in tv_per_round:
+        survival = torch.tensor([1.0 - tv for tv in tvs], dtype=torch.float64).clamp(0.0, 1.0).cumprod(0)
+        total += 1.0 + float(survival.sum())
+    return total / len(tv_per_round)
+
+
 class VerificationRounds:
     """What follows from ``accepted_per_round`` (accepted drafts per verification round, 0..K): the number of rounds
-    and τ. One home for one generation (:class:`SpeculativeOutput`) and for pooled prompts
+    and τ, and from ``tv_per_round`` (per round, the total variation between draft and target at each drafted
+    position; measured by the block loop, empty where a loop does not measure it) the analytic τ. One home for one
+    generation (:class:`SpeculativeOutput`) and for pooled prompts
     (:class:`~lightning_eagle.inference.acceptance.AcceptanceReport`)."""
 
     accepted_per_round: list[int]
+    tv_per_round: list[list[float]]
 
     @property
     def num_rounds(self) -> int:
@@ -71,6 +86,11 @@ class VerificationRounds:
         if not self.accepted_per_round:
             return float("nan")
         return 1.0 + sum(self.accepted_per_round) / self.num_rounds
+
+    @property
+    def tau_analytic(self) -> float:
+        """``1 + Σ_k Π_{i≤k} (1 − TV_i)`` over the measured rounds (:func:`analytic_tau`; nan when none was)."""
+        return analytic_tau(self.tv_per_round)
 
 
 @dataclass
@@ -85,6 +105,7 @@ class SpeculativeOutput(VerificationRounds):
     target_seconds: float = 0.0  # time in target forwards (prefill, verification) and rollbacks
     draft_seconds: float = 0.0  # time in draft extend/propose
     stopped: bool = False  # ended on a stop token
+    tv_per_round: list[list[float]] = field(default_factory=list, repr=False)  # block loop only (VerificationRounds)
 
     def emit(self, new_tokens: list[int], stop: set[int], max_new_tokens: int) -> bool:
         """Append ``new_tokens`` up to the first stop token and the budget; True while generation goes on."""
@@ -197,6 +218,9 @@ def speculative_generate(
     the target law is the top-p nucleus, and the draft samples from its own nucleus
     (:mod:`~lightning_eagle.inference.sampling`). Batch of one prompt.
     """
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
+        # None once meant "the draft config's ttt_steps"; an EAGLE-3 draft's config records only its architecture.
+        raise TypeError(f"num_draft_tokens must be an int (K tokens drafted per round), got {num_draft_tokens!r}")
     if num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     check_generation_settings(max_new_tokens, temperature, prefill_chunk, top_p)
