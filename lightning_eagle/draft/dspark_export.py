@@ -155,7 +155,13 @@ def load_dspark_export(folder: str | os.PathLike, dtype: torch.dtype | None = No
     """A :class:`DSparkDrafter` from an export: every tensor present with the drafter's shape, nothing extra."""
     folder = Path(folder)
     config = dspark_config_from_json(json.loads((folder / CONFIG_NAME).read_text()))
-    state = load_file(str(folder / WEIGHTS_NAME))
+    drafter = drafter_holding(config, load_file(str(folder / WEIGHTS_NAME)), str(folder / WEIGHTS_NAME))
+    return drafter if dtype is None else drafter.to(dtype)
+
+
+def drafter_holding(config: DSparkDraftConfig, state: dict[str, torch.Tensor], source: str) -> DSparkDrafter:
+    """A :class:`DSparkDrafter` of ``config`` holding ``state`` (floats as fp32), loaded strictly: a missing, extra or
+    wrongly shaped tensor is one ``ValueError`` that names ``source`` and the tensors (an export, a checkpoint)."""
     drafter = DSparkDrafter(config)
     expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
     found = {k: tuple(v.shape) for k, v in state.items()}
@@ -163,11 +169,11 @@ def load_dspark_export(folder: str | os.PathLike, dtype: torch.dtype | None = No
         missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
         wrong = sorted(k for k in set(found) & set(expected) if found[k] != expected[k])
         raise ValueError(
-            f"{folder / WEIGHTS_NAME}: not the tensors of this config (missing {missing[:5]}, unexpected "
-            f"{extra[:5]}, wrong shapes {[(k, found[k], expected[k]) for k in wrong[:5]]})"
+            f"{source}: not the tensors of its config (missing {missing[:5]}, unexpected {extra[:5]}, wrong shapes "
+            f"{[(k, found[k], expected[k]) for k in wrong[:5]]})"
         )
     drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    return drafter if dtype is None else drafter.to(dtype)
+    return drafter
 
 
 def is_dspark_checkpoint(checkpoint: Any) -> bool:
@@ -177,18 +183,10 @@ def is_dspark_checkpoint(checkpoint: Any) -> bool:
 
 def dspark_drafter_from_checkpoint(checkpoint: dict[str, Any]) -> DSparkDrafter:
     """The drafter of a DSpark training checkpoint (``state_dict`` under ``draft.``, the config under
-    :data:`DSPARK_CHECKPOINT_CONFIG_KEY`), loaded strictly: a missing or extra tensor is refused by name."""
+    :data:`DSPARK_CHECKPOINT_CONFIG_KEY`), loaded strictly (:func:`drafter_holding`)."""
     config = DSparkDraftConfig.from_dict(checkpoint[DSPARK_CHECKPOINT_CONFIG_KEY])
     state = {k[len("draft.") :]: v for k, v in checkpoint.get("state_dict", {}).items() if k.startswith("draft.")}
-    drafter = DSparkDrafter(config)
-    expected, found = set(drafter.state_dict()), set(state)
-    if expected != found:
-        raise ValueError(
-            f"the checkpoint's DSpark draft does not match its config (missing {sorted(expected - found)[:5]}, "
-            f"unexpected {sorted(found - expected)[:5]})"
-        )
-    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    return drafter
+    return drafter_holding(config, state, "the checkpoint's DSpark draft")
 
 
 def dspark_serving_command(

@@ -122,6 +122,25 @@ def test_refusals_and_overwrite(tmp_path):
         load_dspark_export(folder)
 
 
+def test_a_checkpoint_draft_is_read_as_strictly_as_an_export():
+    """Export and checkpoint readers share one strict load: the same tensors back, a missing or reshaped one named."""
+    from lightning_eagle.draft.dspark_export import DSPARK_CHECKPOINT_CONFIG_KEY, dspark_drafter_from_checkpoint
+
+    model = drafter()
+    state = {f"draft.{k}": v for k, v in model.state_dict().items()}
+    checkpoint = {DSPARK_CHECKPOINT_CONFIG_KEY: model.config.to_dict(), "state_dict": {**state, "teacher.x": 0}}
+    loaded = dspark_drafter_from_checkpoint(checkpoint)
+    assert loaded.config == model.config
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    del checkpoint["state_dict"]["draft.markov_head.markov_w2.weight"]
+    with pytest.raises(ValueError, match=r"checkpoint's DSpark draft: .*missing \['markov_head.markov_w2.weight'\]"):
+        dspark_drafter_from_checkpoint(checkpoint)
+    checkpoint["state_dict"] = {**state, "draft.context_proj.weight": state["draft.context_proj.weight"][:, :-1]}
+    with pytest.raises(ValueError, match=r"wrong shapes \[\('context_proj.weight'"):
+        dspark_drafter_from_checkpoint(checkpoint)
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
