@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from lightning_eagle.data.prompts import resolve_prompts
-from lightning_eagle.inference.draft_families import generate_for
+from lightning_eagle.inference.draft_families import decoding_loop
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from lightning_eagle.inference.plain import plain_generate
 from lightning_eagle.inference.speculative import (
@@ -212,6 +212,19 @@ def capped_prompts(
     return resolve_prompts(data, tokenizer, num_prompts, render_options, max_prompt_tokens)
 
 
+def check_prompt_ids(prompts: list[list[int]], target) -> None:
+    """Every token id of ``prompts`` inside the target's vocabulary (one larger: the tokenizer is another model's)."""
+    vocab, largest = target.config.vocab_size, max(max(p) for p in prompts)
+    if largest >= vocab:
+        raise ValueError(f"prompt token id {largest} >= target vocab_size {vocab}: tokenizer and target differ")
+
+
+def target_stop_ids(target) -> list[int]:
+    """The target's ``eos_token_id`` as a stop list (K3's ``<|end_of_msg|>``; empty when the config has none)."""
+    eos = getattr(target.config, "eos_token_id", None)
+    return [] if eos is None else [eos]
+
+
 @torch.no_grad()
 def evaluate_acceptance(
     target,
@@ -269,19 +282,11 @@ def evaluate_acceptance(
             num_prompts,
             max_prompt_tokens,
         )
-    vocab = target.config.vocab_size
-    too_big = [max(p) for p in prompts if max(p) >= vocab]
-    if too_big:
-        raise ValueError(f"prompt token id {max(too_big)} >= target vocab_size {vocab}: tokenizer and target differ")
+    check_prompt_ids(prompts, target)
     if stop_token_ids == "eos":
-        eos = getattr(target.config, "eos_token_id", None)
-        stop_token_ids = [] if eos is None else [eos]
-    was_training = draft.training if hasattr(draft, "training") else False
-    if hasattr(draft, "eval"):
-        draft.eval()
+        stop_token_ids = target_stop_ids(target)
     common = {"stop_token_ids": stop_token_ids, "prefill_chunk": prefill_chunk, "top_p": top_p}
-    generate = generate_for(draft)  # chains for EAGLE-3, blocks for DSpark
-    try:
+    with decoding_loop(draft) as generate:  # chains for EAGLE-3, blocks for DSpark
         if warmup:
             generate(target, draft, prompts[0], 4, K, temperature, seed, aux_layer_ids, **common)
             if compare_plain:
@@ -298,9 +303,6 @@ def evaluate_acceptance(
                 plain["seconds"] += ref.seconds
                 plain["forwards"] += ref.target_forwards
                 mismatches += int(temperature == 0 and ref.tokens != out.tokens)
-    finally:
-        if was_training:
-            draft.train()
     return AcceptanceReport.pooled(
         outputs,
         num_prompts=len(prompts),

@@ -178,6 +178,24 @@ def test_draft_family_is_read_from_the_export(exported, tmp_path):
         del DRAFT_FAMILIES["block"]
 
 
+def test_the_decoding_loop_is_the_familys_and_runs_a_training_draft_in_eval_mode():
+    from lightning_eagle.inference.block_speculative import block_speculative_generate
+    from lightning_eagle.inference.draft_families import decoding_loop
+
+    target = make_target(seed=3)
+    chain, block = draft_for_target(target, seed=1), dspark_for_target(target, seed=2)
+    with decoding_loop(chain.eval()) as generate:
+        assert generate is speculative.speculative_generate and not chain.training
+    assert not chain.training  # an eval-mode draft is left as it was
+    block.train()
+    with pytest.raises(RuntimeError, match="inside"), decoding_loop(block) as generate:
+        assert not block.training
+        out = generate(target, block, [1, 2, 3], 3, None, 0.0, 0)  # the family's signature: blocks of g
+        assert out.tokens == block_speculative_generate(target, block, [1, 2, 3], 3).tokens
+        raise RuntimeError("inside")
+    assert block.training  # switched back, also when decoding raised
+
+
 def test_callback_logs_a_sets_card_numbers(tmp_path):
     import lightning.pytorch as pl
 
