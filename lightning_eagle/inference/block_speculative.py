@@ -43,13 +43,12 @@ import torch
 
 from lightning_eagle.draft.dspark import DSparkContextCache, DSparkDrafter
 from lightning_eagle.inference.aux_ids import resolve_block_taps
-from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, IncrementalTarget, TargetStep
+from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, TargetStep
 from lightning_eagle.inference.sampling import pick_token, verify_drafts
 from lightning_eagle.inference.speculative import (
     SpeculativeOutput,
-    as_prompt_tensor,
     check_generation_settings,
-    make_generator,
+    open_session,
     prefill_prompt,
 )
 
@@ -118,11 +117,7 @@ def block_speculative_generate(
     ids, stream = check_drafter(target, drafter)
     K = check_num_draft_tokens(num_draft_tokens, drafter.config.block_size)
     start = time.perf_counter()
-    session = IncrementalTarget(target, ids, stream)
-    device = session.device
-    prompt = as_prompt_tensor(prompt_ids, device)
-    gen = make_generator(seed, device)
-    stop = set(int(t) for t in (stop_token_ids or ()))
+    session, prompt, gen, stop = open_session(target, prompt_ids, seed, stop_token_ids, ids, stream)
     embed, lm_head = target.model.embed_tokens, target.lm_head
     out = SpeculativeOutput(tokens=[], accepted_per_round=[], num_draft_tokens=K)
     if max_new_tokens == 0:

@@ -134,6 +134,21 @@ def as_prompt_tensor(prompt_ids, device: torch.device) -> torch.Tensor:
     return ids[None]
 
 
+def open_session(
+    target,
+    prompt_ids,
+    seed: int | None,
+    stop_token_ids: Iterable[int] | None,
+    aux_layer_ids: list[int] | None = None,
+    aux_stream: str = "prefix",
+) -> tuple[IncrementalTarget, torch.Tensor, torch.Generator, set[int]]:
+    """What every decoding loop starts from: ``(a session on target tapping aux_layer_ids, the prompt as [1,T] on its
+    device, the generator of seed there, the stop ids as a set)``."""
+    session = IncrementalTarget(target, aux_layer_ids, aux_stream)
+    prompt = as_prompt_tensor(prompt_ids, session.device)
+    return session, prompt, make_generator(seed, session.device), {int(t) for t in stop_token_ids or ()}
+
+
 def check_generation_settings(
     max_new_tokens: int, temperature: float, prefill_chunk: int | None, top_p: float = 1.0
 ) -> None:
@@ -226,11 +241,8 @@ def speculative_generate(
     check_generation_settings(max_new_tokens, temperature, prefill_chunk, top_p)
     start = time.perf_counter()
     drafter, ids, stream = as_drafter(target, draft, aux_layer_ids)
-    session = IncrementalTarget(target, ids, stream)
+    session, prompt, gen, stop = open_session(target, prompt_ids, seed, stop_token_ids, ids, stream)
     device = session.device
-    prompt = as_prompt_tensor(prompt_ids, device)
-    gen = make_generator(seed, device)
-    stop = set(int(t) for t in (stop_token_ids or ()))
     vocab = target.config.vocab_size
     out = SpeculativeOutput(tokens=[], accepted_per_round=[], num_draft_tokens=num_draft_tokens)
     if max_new_tokens == 0:
