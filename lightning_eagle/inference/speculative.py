@@ -46,7 +46,13 @@ from lightning_eagle.inference.incremental_target import (
     check_prefill_chunk,
     chunk_bounds,
 )
-from lightning_eagle.inference.sampling import check_top_p, draft_probs_to_target, pick_token, verify_drafts
+from lightning_eagle.inference.sampling import (
+    check_top_p,
+    draft_probs_to_target,
+    expected_tokens_per_round,
+    pick_token,
+    verify_drafts,
+)
 from lightning_eagle.settings import DEFAULT_TTT_STEPS
 
 # K when the caller does not choose one. The draft's config records only its architecture, not the unroll it was
@@ -56,14 +62,12 @@ DEFAULT_NUM_DRAFT_TOKENS = DEFAULT_TTT_STEPS
 
 def analytic_tau(tv_per_round: list[list[float]]) -> float:
     """Mean over rounds of ``1 + Σ_k Π_{i≤k} (1 − TV_i)`` (nan without a round): the tokens per round rejection
-    sampling expects from the total variations measured at each drafted position."""
+    sampling expects from the total variations measured at each drafted position
+    (:func:`~lightning_eagle.inference.sampling.expected_tokens_per_round`)."""
     if not tv_per_round:
         return float("nan")
-    total = 0.0
-    for tvs in tv_per_round:
-        survival = torch.tensor([1.0 - tv for tv in tvs], dtype=torch.float64).clamp(0.0, 1.0).cumprod(0)
-        total += 1.0 + float(survival.sum())
-    return total / len(tv_per_round)
+    rounds = [expected_tokens_per_round(1.0 - torch.tensor(tvs, dtype=torch.float64)) for tvs in tv_per_round]
+    return float(torch.stack(rounds).mean())
 
 
 class VerificationRounds:
