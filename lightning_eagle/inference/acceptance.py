@@ -79,7 +79,10 @@ class AcceptanceReport(VerificationRounds):
 
     @classmethod
     def pooled(cls, outputs: list[tuple[int, SpeculativeOutput]], **settings: Any) -> AcceptanceReport:
-        """The speculative side of a report from ``(prompt length, output)`` pairs; ``settings``: the other fields."""
+        """The speculative side of a report from ``(prompt length, output)`` pairs; ``settings``: the other fields,
+        ``num_draft_tokens`` replaced by the K the loops ran when there is an output (a block loop's g for None)."""
+        if outputs:
+            settings["num_draft_tokens"] = outputs[0][1].num_draft_tokens
         return cls(
             accepted_per_round=[a for _, out in outputs for a in out.accepted_per_round],
             spec_tokens=sum(len(out.tokens) for _, out in outputs),
@@ -306,7 +309,7 @@ def evaluate_acceptance(
     return AcceptanceReport.pooled(
         outputs,
         num_prompts=len(prompts),
-        num_draft_tokens=outputs[0][1].num_draft_tokens,  # K as the loop resolved it (a block's g for None)
+        num_draft_tokens=K,
         temperature=temperature,
         top_p=top_p,
         max_new_tokens=max_new_tokens,

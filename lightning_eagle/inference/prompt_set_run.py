@@ -37,7 +37,7 @@ def evaluate_prompt_set(
     tokenizer,
     *,
     max_new_tokens: int = 64,
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    num_draft_tokens: int | None = DEFAULT_NUM_DRAFT_TOKENS,
     temperature: float = 1.0,
     top_p: float = 0.95,
     seed: int = 0,
@@ -49,8 +49,9 @@ def evaluate_prompt_set(
     """Speculative decoding of every turn of every conversation of ``prompt_set`` (module docstring) → one report.
 
     ``tokenizer``: the target's (a ``KimiTokenizer``); ``render_options``: ``thinking`` / ``thinking_effort`` as the
-    draft was trained with; each turn is seeded ``seed + its index`` over the whole set. ``on_turn`` is called after
-    every decoded turn (a progress bar)."""
+    draft was trained with; each turn is seeded ``seed + its index`` over the whole set. ``num_draft_tokens``: as
+    :func:`~lightning_eagle.inference.acceptance.evaluate_acceptance` takes it (None: a DSpark drafter's block
+    size). ``on_turn`` is called after every decoded turn (a progress bar)."""
     from lightning_eagle.data.regenerate.k3_response import split_k3_response
     from lightning_eagle.data.render_k3 import render_k3_chat
 

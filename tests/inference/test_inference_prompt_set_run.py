@@ -62,6 +62,18 @@ def test_each_turn_follows_the_targets_own_answer(models, monkeypatch):
     assert report.prompt_tokens == sum(len(p) for p, _ in calls)
 
 
+def test_a_block_drafter_drafts_its_block_and_pools_its_tvs(models):
+    """num_draft_tokens None: a DSpark drafter's block size, recorded as the K the loop ran; its TVs are pooled."""
+    target, _ = models
+    drafter = dspark_for_target(target, seed=7)
+    report = evaluate_prompt_set(target, drafter, SET, synthetic_k3_tokenizer(), max_new_tokens=6,
+                                 num_draft_tokens=None, temperature=0.0)  # fmt: skip
+    g = drafter.config.block_size
+    assert report.num_draft_tokens == g and set_summary(report)["num_draft_tokens"] == g
+    assert len(report.tv_per_round) == report.num_rounds > 0 and all(len(tvs) == g for tvs in report.tv_per_round)
+    assert 1.0 <= report.tau_analytic <= g + 1
+
+
 def test_summary_is_vllms_numbers_and_the_conditional_rates(models):
     target, draft = models
     report = evaluate_prompt_set(target, draft, SET, synthetic_k3_tokenizer(), max_new_tokens=8, num_draft_tokens=3)
