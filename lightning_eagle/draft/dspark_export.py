@@ -20,6 +20,7 @@ Written atomically (:func:`lightning_eagle.atomic.atomic_dir`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -42,30 +43,11 @@ DSPARK_CHECKPOINT_CONFIG_KEY = "dspark_draft_config"
 # K3DSparkConfig raises on any of these set (the NoPE / gated / q-k-normed K3 MLA, the bonus anchor)
 VLLM_REFUSED_FLAGS = ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dspark_bonus_anchor")
 FP32_PREFIXES = ("confidence_head.",)  # vLLM keeps the confidence head in fp32
-# Fields written under the same name as the config's (vLLM reads them so).
-_PLAIN_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "rms_norm_eps",
-    "vocab_size",
-    "target_hidden_size",
-    "block_size",
-    "mask_token_id",
-    "markov_rank",
-    "enable_confidence_head",
-    "max_position_embeddings",
-    "hidden_act",
-    # project fields (vLLM ignores them; our re-import reads them)
-    "target_num_hidden_layers",
-    "aux_hidden_state_stream",
-)
+# The config's fields the export writes in another form (``rope_parameters``) or beside a derived twin
+# (``num_target_layers``); every other field of DSparkDraftConfig is written and read under its own name (vLLM reads
+# the architecture ones so; ours, like ``target_num_hidden_layers`` and ``aux_hidden_state_stream``, it ignores).
+_FIELDS_WRITTEN_OTHERWISE = ("target_layer_ids", "rope_theta", "rope_scaling")
+_PLAIN_FIELDS = tuple(f.name for f in dataclasses.fields(DSparkDraftConfig) if f.name not in _FIELDS_WRITTEN_OTHERWISE)
 
 
 def rope_parameters(config: DSparkDraftConfig) -> dict[str, Any]:
@@ -173,7 +155,13 @@ def load_dspark_export(folder: str | os.PathLike, dtype: torch.dtype | None = No
     """A :class:`DSparkDrafter` from an export: every tensor present with the drafter's shape, nothing extra."""
     folder = Path(folder)
     config = dspark_config_from_json(json.loads((folder / CONFIG_NAME).read_text()))
-    state = load_file(str(folder / WEIGHTS_NAME))
+    drafter = drafter_holding(config, load_file(str(folder / WEIGHTS_NAME)), str(folder / WEIGHTS_NAME))
+    return drafter if dtype is None else drafter.to(dtype)
+
+
+def drafter_holding(config: DSparkDraftConfig, state: dict[str, torch.Tensor], source: str) -> DSparkDrafter:
+    """A :class:`DSparkDrafter` of ``config`` holding ``state`` (floats as fp32), loaded strictly: a missing, extra or
+    wrongly shaped tensor is one ``ValueError`` that names ``source`` and the tensors (an export, a checkpoint)."""
     drafter = DSparkDrafter(config)
     expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
     found = {k: tuple(v.shape) for k, v in state.items()}
@@ -181,11 +169,11 @@ def load_dspark_export(folder: str | os.PathLike, dtype: torch.dtype | None = No
         missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
         wrong = sorted(k for k in set(found) & set(expected) if found[k] != expected[k])
         raise ValueError(
-            f"{folder / WEIGHTS_NAME}: not the tensors of this config (missing {missing[:5]}, unexpected "
-            f"{extra[:5]}, wrong shapes {[(k, found[k], expected[k]) for k in wrong[:5]]})"
+            f"{source}: not the tensors of its config (missing {missing[:5]}, unexpected {extra[:5]}, wrong shapes "
+            f"{[(k, found[k], expected[k]) for k in wrong[:5]]})"
         )
     drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    return drafter if dtype is None else drafter.to(dtype)
+    return drafter
 
 
 def is_dspark_checkpoint(checkpoint: Any) -> bool:
@@ -195,18 +183,10 @@ def is_dspark_checkpoint(checkpoint: Any) -> bool:
 
 def dspark_drafter_from_checkpoint(checkpoint: dict[str, Any]) -> DSparkDrafter:
     """The drafter of a DSpark training checkpoint (``state_dict`` under ``draft.``, the config under
-    :data:`DSPARK_CHECKPOINT_CONFIG_KEY`), loaded strictly: a missing or extra tensor is refused by name."""
+    :data:`DSPARK_CHECKPOINT_CONFIG_KEY`), loaded strictly (:func:`drafter_holding`)."""
     config = DSparkDraftConfig.from_dict(checkpoint[DSPARK_CHECKPOINT_CONFIG_KEY])
     state = {k[len("draft.") :]: v for k, v in checkpoint.get("state_dict", {}).items() if k.startswith("draft.")}
-    drafter = DSparkDrafter(config)
-    expected, found = set(drafter.state_dict()), set(state)
-    if expected != found:
-        raise ValueError(
-            f"the checkpoint's DSpark draft does not match its config (missing {sorted(expected - found)[:5]}, "
-            f"unexpected {sorted(found - expected)[:5]})"
-        )
-    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    return drafter
+    return drafter_holding(config, state, "the checkpoint's DSpark draft")
 
 
 def dspark_serving_command(

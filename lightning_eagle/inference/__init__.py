@@ -2,11 +2,10 @@
 DSpark blocks), acceptance.
 
 Public API (stable): :func:`speculative_generate`, :func:`evaluate_acceptance`, :func:`evaluate_prompt_set` (a
-standard prompt set decoded turn by turn), and for DSpark drafters :func:`block_speculative_generate`,
-:func:`evaluate_block_acceptance`. Building blocks for notebooks and
-research: :class:`IncrementalTarget` (prefill/extend/rollback), :class:`DraftRunner`, :func:`plain_generate`,
-:class:`AcceptanceReport`; the Lightning :class:`AcceptanceCallback` (logs ``val/tau_real``). Every name is
-imported on first use.
+standard prompt set decoded turn by turn; both decode with the loop of the draft's family), and for DSpark drafters
+:func:`block_speculative_generate`. Building blocks for notebooks and research: :class:`IncrementalTarget`
+(prefill/extend/rollback), :class:`DraftRunner`, :func:`plain_generate`, :class:`AcceptanceReport`; the Lightning
+:class:`AcceptanceCallback` (logs ``val/tau_real``). Every name is imported on first use.
 """
 
 from __future__ import annotations
@@ -19,9 +18,6 @@ _EXPORTS = {
     "AcceptanceCallback": "lightning_eagle.inference.callback",
     "AcceptanceReport": "lightning_eagle.inference.acceptance",
     "evaluate_acceptance": "lightning_eagle.inference.acceptance",
-    "BlockAcceptanceReport": "lightning_eagle.inference.block_acceptance",
-    "evaluate_block_acceptance": "lightning_eagle.inference.block_acceptance",
-    "BlockSpeculativeOutput": "lightning_eagle.inference.block_speculative",
     "block_speculative_generate": "lightning_eagle.inference.block_speculative",
     "resolve_inference_aux": "lightning_eagle.inference.aux_ids",
     "DraftProposal": "lightning_eagle.inference.draft_runner",
@@ -40,8 +36,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # pragma: no cover — what IDEs and type checkers see; keep it equal to _EXPORTS
     from lightning_eagle.inference.acceptance import AcceptanceReport, evaluate_acceptance
     from lightning_eagle.inference.aux_ids import resolve_inference_aux
-    from lightning_eagle.inference.block_acceptance import BlockAcceptanceReport, evaluate_block_acceptance
-    from lightning_eagle.inference.block_speculative import BlockSpeculativeOutput, block_speculative_generate
+    from lightning_eagle.inference.block_speculative import block_speculative_generate
     from lightning_eagle.inference.callback import AcceptanceCallback
     from lightning_eagle.inference.draft_runner import DraftProposal, DraftRunner
     from lightning_eagle.inference.incremental_target import IncrementalTarget, TargetStep

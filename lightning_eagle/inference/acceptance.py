@@ -1,5 +1,7 @@
 """Real acceptance length: run speculative decoding on held-out chat prompts and report τ, per-position acceptance
-and throughput against plain decoding measured in the same run.
+and throughput against plain decoding measured in the same run. One evaluation for every draft family: each prompt
+is decoded by the loop of the draft's family (:func:`~lightning_eagle.inference.draft_families.generate_for`: chains
+for EAGLE-3, blocks for DSpark).
 
 Prompts (:mod:`lightning_eagle.data.prompts`) are conversations up to an assistant turn, rendered with the
 generation prompt (what a K3 server sees). The report pools all verification rounds of all prompts:
@@ -15,7 +17,10 @@ generation prompt (what a K3 server sees). The report pools all verification rou
 * throughput: generated tokens per second of speculative decoding (wall, draft included), per second of its target
   forwards only, and of plain target-only decoding over the same prompts; ``speedup`` is their ratio on this
   machine. At temperature 0 the two outputs must agree token for token (``greedy_mismatches`` counts prompts that
-  did not — 0 unless something is broken or two logits tie to fp32 rounding).
+  did not — 0 unless something is broken or two logits tie to fp32 rounding);
+* ``tau_analytic`` = mean over rounds of ``1 + Σ_k Π_{i≤k} (1 − TV_i)``, where the loop measures each drafted
+  position's total variation between draft and target (the block loop; nan for chains): the τ rejection sampling
+  expects from the measured distributions, next to the measured ``tau``.
 
 Long prompts: ``max_prompt_tokens`` skips prompts longer than the cap (each costs a target prefill of its length);
 those kept are prefilled ``prefill_chunk`` tokens per forward by both decodings, so memory grows linearly with the
@@ -35,7 +40,7 @@ from typing import Any
 import torch
 
 from lightning_eagle.data.prompts import resolve_prompts
-from lightning_eagle.inference.draft_families import generate_for
+from lightning_eagle.inference.draft_families import decoding_loop
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from lightning_eagle.inference.plain import plain_generate
 from lightning_eagle.inference.speculative import (
@@ -69,10 +74,15 @@ class AcceptanceReport(VerificationRounds):
     top_p: float = 1.0
     prompt_tokens: int = 0  # tokens of every prompt decoded (each turn's rendered conversation, for multi-turn sets)
     num_turns: int = 0  # prompts decoded: num_prompts, or more for multi-turn sets (one per user turn)
+    # per round, each drafted position's total variation (block drafting measures it; empty for chains)
+    tv_per_round: list[list[float]] = field(default_factory=list, repr=False)
 
     @classmethod
     def pooled(cls, outputs: list[tuple[int, SpeculativeOutput]], **settings: Any) -> AcceptanceReport:
-        """The speculative side of a report from ``(prompt length, output)`` pairs; ``settings``: the other fields."""
+        """The speculative side of a report from ``(prompt length, output)`` pairs; ``settings``: the other fields,
+        ``num_draft_tokens`` replaced by the K the loops ran when there is an output (a block loop's g for None)."""
+        if outputs:
+            settings["num_draft_tokens"] = outputs[0][1].num_draft_tokens
         return cls(
             accepted_per_round=[a for _, out in outputs for a in out.accepted_per_round],
             spec_tokens=sum(len(out.tokens) for _, out in outputs),
@@ -82,6 +92,7 @@ class AcceptanceReport(VerificationRounds):
             spec_target_forwards=sum(out.target_forwards for _, out in outputs),
             prompt_tokens=sum(length for length, _ in outputs),
             num_turns=len(outputs),
+            tv_per_round=[tvs for _, out in outputs for tvs in out.tv_per_round],
             **settings,
         )
 
@@ -134,6 +145,7 @@ class AcceptanceReport(VerificationRounds):
         for name in (
             "num_rounds",
             "tau",
+            "tau_analytic",
             "acceptance_at_least",
             "acceptance_per_position",
             "engine",
@@ -169,6 +181,8 @@ class AcceptanceReport(VerificationRounds):
         ]
         if self.greedy_mismatches is not None:
             lines.append(f"greedy mismatches vs plain decoding    {self.greedy_mismatches}")
+        if self.tv_per_round:
+            lines.append(f"tau_analytic (1 + sum_k prod (1 - TV_i))  {fmt(self.tau_analytic)}")
         return "\n".join(lines)
 
 
@@ -201,6 +215,19 @@ def capped_prompts(
     return resolve_prompts(data, tokenizer, num_prompts, render_options, max_prompt_tokens)
 
 
+def check_prompt_ids(prompts: list[list[int]], target) -> None:
+    """Every token id of ``prompts`` inside the target's vocabulary (one larger: the tokenizer is another model's)."""
+    vocab, largest = target.config.vocab_size, max(max(p) for p in prompts)
+    if largest >= vocab:
+        raise ValueError(f"prompt token id {largest} >= target vocab_size {vocab}: tokenizer and target differ")
+
+
+def target_stop_ids(target) -> list[int]:
+    """The target's ``eos_token_id`` as a stop list (K3's ``<|end_of_msg|>``; empty when the config has none)."""
+    eos = getattr(target.config, "eos_token_id", None)
+    return [] if eos is None else [eos]
+
+
 @torch.no_grad()
 def evaluate_acceptance(
     target,
@@ -210,7 +237,7 @@ def evaluate_acceptance(
     tokenizer=None,
     num_prompts: int = 16,
     max_new_tokens: int = 64,
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    num_draft_tokens: int | None = DEFAULT_NUM_DRAFT_TOKENS,
     temperature: float = 0.0,
     seed: int = 0,
     aux_layer_ids: list[int] | None = None,
@@ -229,8 +256,9 @@ def evaluate_acceptance(
         data: None = held-out chats of the bundled corpus; a JSONL/JSON chat file; a ``ChatDataModule`` (its
             validation split); a list of chats; or a list of token-id prompts.
         tokenizer: for chats (default: the synthetic K3 tokenizer; a path or ``KimiTokenizer`` for real data).
-        num_draft_tokens: K, tokens drafted per round (default ``DEFAULT_NUM_DRAFT_TOKENS`` = 7; pass the
-            ``model.objective.ttt_steps`` the draft was trained with: the draft's config records only its architecture).
+        num_draft_tokens: K, tokens drafted per round (default ``DEFAULT_NUM_DRAFT_TOKENS`` = 7). An EAGLE-3 draft's
+            config records only its architecture: pass the ``model.objective.ttt_steps`` it was trained with (None
+            is refused). A DSpark drafter drafts at most its ``block_size`` g per round; None = g.
         stop_token_ids: ``"eos"`` = the target's ``eos_token_id`` (K3's ``<|end_of_msg|>``), None = never stop.
         compare_plain: also decode every prompt with the target alone (throughput baseline; at temperature 0 also a
             losslessness check).
@@ -243,10 +271,7 @@ def evaluate_acceptance(
             ``[T,T]`` transients wherever an eager attention core runs).
         top_p: at temperature > 0, both decodings sample the target's top-p nucleus (lossless w.r.t. it).
     """
-    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
-        # None once meant "the draft config's ttt_steps"; the draft config now records only the architecture.
-        raise TypeError(f"num_draft_tokens must be an int (K tokens drafted per round), got {num_draft_tokens!r}")
-    K = num_draft_tokens
+    K = num_draft_tokens  # each family's loop checks it (an int for chains; an int <= g or None for blocks)
     render_options = {"thinking": thinking, "thinking_effort": thinking_effort}
     check_prefill_chunk(prefill_chunk)
     prompts = capped_prompts(data, tokenizer, num_prompts, render_options, max_prompt_tokens)
@@ -260,19 +285,11 @@ def evaluate_acceptance(
             num_prompts,
             max_prompt_tokens,
         )
-    vocab = target.config.vocab_size
-    too_big = [max(p) for p in prompts if max(p) >= vocab]
-    if too_big:
-        raise ValueError(f"prompt token id {max(too_big)} >= target vocab_size {vocab}: tokenizer and target differ")
+    check_prompt_ids(prompts, target)
     if stop_token_ids == "eos":
-        eos = getattr(target.config, "eos_token_id", None)
-        stop_token_ids = [] if eos is None else [eos]
-    was_training = draft.training if hasattr(draft, "training") else False
-    if hasattr(draft, "eval"):
-        draft.eval()
+        stop_token_ids = target_stop_ids(target)
     common = {"stop_token_ids": stop_token_ids, "prefill_chunk": prefill_chunk, "top_p": top_p}
-    generate = generate_for(draft)  # chains for EAGLE-3, blocks for DSpark
-    try:
+    with decoding_loop(draft) as generate:  # chains for EAGLE-3, blocks for DSpark
         if warmup:
             generate(target, draft, prompts[0], 4, K, temperature, seed, aux_layer_ids, **common)
             if compare_plain:
@@ -289,9 +306,6 @@ def evaluate_acceptance(
                 plain["seconds"] += ref.seconds
                 plain["forwards"] += ref.target_forwards
                 mismatches += int(temperature == 0 and ref.tokens != out.tokens)
-    finally:
-        if was_training:
-            draft.train()
     return AcceptanceReport.pooled(
         outputs,
         num_prompts=len(prompts),

@@ -3,7 +3,8 @@ them, lossless acceptance (`dspark.md`, "Inference"; vLLM's ``DSparkSpeculator``
 
 The drafter's context cache (:class:`~lightning_eagle.draft.dspark.DSparkContextCache`) holds the target's states
 at the drafter's ``target_layer_ids`` (its recorded AttnRes stream, what the export records and training read) of
-every *verified* position. The prefill, in chunks of ``prefill_chunk`` prompt tokens (None = one chunk):
+every *verified* position. The prefill (:func:`~lightning_eagle.inference.speculative.prefill_prompt`, shared with
+the chain loop), in chunks of ``prefill_chunk`` prompt tokens (None = one chunk):
 
 0. for chunk ``[s, e)`` the target extends by ``x_s..x_{e−1}`` and the cache appends the chunk's states at once (a
    block needs no next token, unlike an EAGLE-3 slot); the last chunk's last logits give the target's first token.
@@ -30,51 +31,26 @@ first K are verified. ``accepted_per_round`` records a per round (0..K), so τ =
 target's distributions at that position (both conditioned on the drafted prefix): at ``temperature > 0`` those the
 sampling and the verification use, at 0 the untempered ones (temperature 1, what training's ``tau_sim`` compares).
 ``1 + Σ_k Π_{i≤k} (1 − TV_i)`` is then the expected tokens per round of rejection sampling along that path
-(:attr:`BlockSpeculativeOutput.tau_analytic`).
+(:attr:`~lightning_eagle.inference.speculative.SpeculativeOutput.tau_analytic`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 
 from lightning_eagle.draft.dspark import DSparkContextCache, DSparkDrafter
 from lightning_eagle.inference.aux_ids import resolve_block_taps
-from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, IncrementalTarget, chunk_bounds
+from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, TargetStep
 from lightning_eagle.inference.sampling import pick_token, verify_drafts
 from lightning_eagle.inference.speculative import (
     SpeculativeOutput,
-    as_prompt_tensor,
     check_generation_settings,
-    make_generator,
+    open_session,
+    prefill_prompt,
 )
-
-
-def analytic_tau(tv_per_round: list[list[float]]) -> float:
-    """Mean over rounds of ``1 + Σ_k Π_{i≤k} (1 − TV_i)`` (nan without a round)."""
-    if not tv_per_round:
-        return float("nan")
-    total = 0.0
-    for tvs in tv_per_round:
-        survival = torch.tensor([1.0 - tv for tv in tvs], dtype=torch.float64).clamp(0.0, 1.0).cumprod(0)
-        total += 1.0 + float(survival.sum())
-    return total / len(tv_per_round)
-
-
-@dataclass
-class BlockSpeculativeOutput(SpeculativeOutput):
-    """One prompt's block speculative decoding: :class:`~lightning_eagle.inference.speculative.SpeculativeOutput`'s
-    fields, and per round the total variation of each drafted position (module docstring)."""
-
-    tv_per_round: list[list[float]] = field(default_factory=list, repr=False)
-
-    @property
-    def tau_analytic(self) -> float:
-        """Expected tokens per round of rejection sampling from the measured TVs (:func:`analytic_tau`)."""
-        return analytic_tau(self.tv_per_round)
 
 
 def check_drafter(target, drafter) -> tuple[list[int], str]:
@@ -126,7 +102,7 @@ def block_speculative_generate(
     stop_token_ids: Iterable[int] | None = None,
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     top_p: float = 1.0,
-) -> BlockSpeculativeOutput:
+) -> SpeculativeOutput:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with ``drafter`` proposing blocks of
     ``num_draft_tokens`` (None = its block size) and ``target`` verifying them (module docstring). Lossless: the
     target's greedy output at ``temperature=0``, its sampling distribution at ``temperature > 0``.
@@ -141,30 +117,20 @@ def block_speculative_generate(
     ids, stream = check_drafter(target, drafter)
     K = check_num_draft_tokens(num_draft_tokens, drafter.config.block_size)
     start = time.perf_counter()
-    session = IncrementalTarget(target, ids, stream)
-    device = session.device
-    prompt = as_prompt_tensor(prompt_ids, device)
-    gen = make_generator(seed, device)
-    stop = set(int(t) for t in (stop_token_ids or ()))
+    session, prompt, gen, stop = open_session(target, prompt_ids, seed, stop_token_ids, ids, stream)
     embed, lm_head = target.model.embed_tokens, target.lm_head
-    out = BlockSpeculativeOutput(tokens=[], accepted_per_round=[], num_draft_tokens=K)
+    out = SpeculativeOutput(tokens=[], accepted_per_round=[], num_draft_tokens=K)
     if max_new_tokens == 0:
         return out
 
     # 0. the prefill, chunk by chunk; the cache is needed only when a round follows the first token
     cache = DSparkContextCache(drafter)
-    drafting = max_new_tokens > 1
-    T = prompt.shape[1]
-    for begin, end in chunk_bounds(T, prefill_chunk):
-        t0 = time.perf_counter()
-        step = session.prefill_chunk(prompt[:, begin:end], begin, return_logits="last" if end == T else False)
-        t1 = time.perf_counter()
-        out.target_seconds += t1 - t0
-        if drafting:
-            cache.append(step.aux_hidden_states)
-            out.draft_seconds += time.perf_counter() - t1
+
+    def draft_context(step: TargetStep, begin: int, end: int) -> None:
+        cache.append(step.aux_hidden_states)  # a block needs no next token: the chunk's states join at once
+
+    step = prefill_prompt(session, prompt, prefill_chunk, out, draft_context if max_new_tokens > 1 else None)
     token = pick_token(step.logits[0, -1], temperature, gen, top_p)
-    out.target_forwards = 1  # the prefill counts once, whatever its number of chunks
     going = out.emit([token], stop, max_new_tokens)
 
     while going:

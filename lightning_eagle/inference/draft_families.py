@@ -6,13 +6,14 @@ A family recognises its exports by their ``config.json`` and loads one as an obj
 draft architectures and NeMo Automodel exports: ``architectures`` names an EAGLE-3 head) and DSpark (block drafting,
 vLLM's ``K3DSparkModel`` layout). Each family also names its decoding loop (``generate``, with
 :func:`~lightning_eagle.inference.speculative_generate`'s signature), which :func:`generate_for` picks for a loaded
-draft.
+draft, and :func:`decoding_loop` holds it for a ``with`` block in eval mode.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,20 @@ def _is_dspark_drafter(draft: Any) -> bool:
     from lightning_eagle.draft.dspark import DSparkDrafter
 
     return isinstance(draft, DSparkDrafter)
+
+
+@contextmanager
+def decoding_loop(draft: Any) -> Iterator[Callable[..., Any]]:
+    """The loop of ``draft``'s family (:func:`generate_for`) for the ``with`` block, a draft in training mode (the
+    acceptance callback's) switched to eval mode for it (no dropout while decoding) and back after."""
+    was_training = bool(getattr(draft, "training", False))
+    if was_training:
+        draft.eval()
+    try:
+        yield generate_for(draft)
+    finally:
+        if was_training:
+            draft.train()
 
 
 def generate_for(draft: Any) -> Callable[..., Any]:

@@ -14,12 +14,11 @@ import torch
 
 from lightning_eagle.inference.incremental_target import (
     DEFAULT_PREFILL_CHUNK,
-    IncrementalTarget,
     check_prefill_chunk,
     chunk_bounds,
 )
 from lightning_eagle.inference.sampling import check_top_p, pick_token
-from lightning_eagle.inference.speculative import as_prompt_tensor, make_generator
+from lightning_eagle.inference.speculative import open_session
 
 
 @dataclass
@@ -48,10 +47,7 @@ def plain_generate(
     check_prefill_chunk(prefill_chunk)
     check_top_p(top_p)
     start = time.perf_counter()
-    session = IncrementalTarget(target)
-    prompt = as_prompt_tensor(prompt_ids, session.device)
-    gen = make_generator(seed, session.device)
-    stop = set(int(t) for t in (stop_token_ids or ()))
+    session, prompt, gen, stop = open_session(target, prompt_ids, seed, stop_token_ids)
     tokens: list[int] = []
     forwards = 0
     if max_new_tokens > 0:

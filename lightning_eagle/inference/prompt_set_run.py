@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from lightning_eagle.data.prompt_sets import PromptSet
-from lightning_eagle.inference.acceptance import AcceptanceReport
-from lightning_eagle.inference.draft_families import generate_for
+from lightning_eagle.inference.acceptance import AcceptanceReport, check_prompt_ids, target_stop_ids
+from lightning_eagle.inference.draft_families import decoding_loop
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK
 from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS, SpeculativeOutput
 
@@ -37,7 +37,7 @@ def evaluate_prompt_set(
     tokenizer,
     *,
     max_new_tokens: int = 64,
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    num_draft_tokens: int | None = DEFAULT_NUM_DRAFT_TOKENS,
     temperature: float = 1.0,
     top_p: float = 0.95,
     seed: int = 0,
@@ -49,29 +49,22 @@ def evaluate_prompt_set(
     """Speculative decoding of every turn of every conversation of ``prompt_set`` (module docstring) → one report.
 
     ``tokenizer``: the target's (a ``KimiTokenizer``); ``render_options``: ``thinking`` / ``thinking_effort`` as the
-    draft was trained with; each turn is seeded ``seed + its index`` over the whole set. ``on_turn`` is called after
-    every decoded turn (a progress bar)."""
+    draft was trained with; each turn is seeded ``seed + its index`` over the whole set. ``num_draft_tokens``: as
+    :func:`~lightning_eagle.inference.acceptance.evaluate_acceptance` takes it (None: a DSpark drafter's block
+    size). ``on_turn`` is called after every decoded turn (a progress bar)."""
     from lightning_eagle.data.regenerate.k3_response import split_k3_response
     from lightning_eagle.data.render_k3 import render_k3_chat
 
     options = {"thinking": True, "thinking_effort": None, **(render_options or {})}
-    eos = getattr(target.config, "eos_token_id", None)
-    common = {"stop_token_ids": [] if eos is None else [eos], "prefill_chunk": prefill_chunk, "top_p": top_p}
-    vocab = target.config.vocab_size
+    common = {"stop_token_ids": target_stop_ids(target), "prefill_chunk": prefill_chunk, "top_p": top_p}
     outputs: list[tuple[int, SpeculativeOutput]] = []
-    generate = generate_for(draft)  # chains for EAGLE-3, blocks for DSpark
-    was_training = bool(getattr(draft, "training", False))
-    if was_training:  # a draft in training (the callback's) decodes in eval mode and goes back after
-        draft.eval()
-    try:
+    with decoding_loop(draft) as generate:  # chains for EAGLE-3, blocks for DSpark; a training draft in eval mode
         for conversation in prompt_set.conversations:
             messages: list[dict[str, Any]] = []
             for turn in conversation:
                 messages.append({"role": "user", "content": turn})
                 prompt = render_k3_chat(messages, tokenizer, add_generation_prompt=True, **options)
-                if max(prompt) >= vocab:
-                    raise ValueError(f"prompt token id {max(prompt)} >= target vocab_size {vocab}: tokenizer and "
-                                     "target differ")  # fmt: skip
+                check_prompt_ids([prompt], target)
                 out = generate(target, draft, prompt, max_new_tokens, num_draft_tokens, temperature,
                                seed + len(outputs), aux_layer_ids, **common)  # fmt: skip
                 outputs.append((len(prompt), out))
@@ -81,9 +74,6 @@ def evaluate_prompt_set(
                 )
                 if on_turn is not None:
                     on_turn()
-    finally:
-        if was_training:
-            draft.train()
     return AcceptanceReport.pooled(
         outputs,
         num_prompts=len(prompt_set.conversations),

@@ -17,11 +17,21 @@ close to p accepts more), so speculative sampling stays lossless with respect to
 
 The draft's distributions live on the draft vocabulary; :func:`draft_probs_to_target` scatters them onto the target
 vocabulary through the draft's selected ids (``arange(N_d) + d2t``), so q is zero outside the draft vocabulary.
+
+Rejection sampling accepts draft j, given drafts < j were accepted, with probability ``a_j = 1 − TV(p_j, q_j)``; a
+round then yields ``1 + Σ_k Π_{j≤k} a_j`` tokens in expectation (:func:`expected_tokens_per_round`: training's
+DSpark ``tau_sim`` and evaluation's ``tau_analytic`` both).
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def expected_tokens_per_round(acceptance: torch.Tensor) -> torch.Tensor:
+    """``1 + Σ_k Π_{j≤k} a_j`` over the last dim of ``acceptance [..., K]`` (``a_j = 1 − TV_j``, clamped to [0, 1];
+    a 0, like an unsupervised slot's, ends the product): the tokens one verification round yields in expectation."""
+    return 1.0 + acceptance.clamp(0.0, 1.0).cumprod(-1).sum(-1)
 
 
 def check_top_p(top_p: float) -> float:

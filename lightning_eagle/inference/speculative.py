@@ -1,6 +1,7 @@
 """The speculative-decoding loop: chain drafting, one target forward verifies all K drafts, lossless acceptance.
 
-The prefill, in chunks of ``prefill_chunk`` prompt tokens (None = one chunk), for chunk ``[s, e)`` of the prompt:
+The prefill (:func:`prefill_prompt`, shared with the block loop), in chunks of ``prefill_chunk`` prompt tokens (None =
+one chunk), for chunk ``[s, e)`` of the prompt:
 
 0. the target extends by ``x_s..x_{e−1}`` (the first chunk starts the cache; no rollback point is kept) and the draft
    gains slots s..e−1 with the chunk's aux features and next tokens ``x_{s+1}..x_e``. The last slot's next token is
@@ -31,8 +32,8 @@ Tree drafting is an extension point: any :class:`~lightning_eagle.inference.draf
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,10 +42,17 @@ from lightning_eagle.inference.draft_runner import DraftRunner
 from lightning_eagle.inference.incremental_target import (
     DEFAULT_PREFILL_CHUNK,
     IncrementalTarget,
+    TargetStep,
     check_prefill_chunk,
     chunk_bounds,
 )
-from lightning_eagle.inference.sampling import check_top_p, draft_probs_to_target, pick_token, verify_drafts
+from lightning_eagle.inference.sampling import (
+    check_top_p,
+    draft_probs_to_target,
+    expected_tokens_per_round,
+    pick_token,
+    verify_drafts,
+)
 from lightning_eagle.settings import DEFAULT_TTT_STEPS
 
 # K when the caller does not choose one. The draft's config records only its architecture, not the unroll it was
@@ -52,12 +60,25 @@ from lightning_eagle.settings import DEFAULT_TTT_STEPS
 DEFAULT_NUM_DRAFT_TOKENS = DEFAULT_TTT_STEPS
 
 
+def analytic_tau(tv_per_round: list[list[float]]) -> float:
+    """Mean over rounds of ``1 + Σ_k Π_{i≤k} (1 − TV_i)`` (nan without a round): the tokens per round rejection
+    sampling expects from the total variations measured at each drafted position
+    (:func:`~lightning_eagle.inference.sampling.expected_tokens_per_round`)."""
+    if not tv_per_round:
+        return float("nan")
+    rounds = [expected_tokens_per_round(1.0 - torch.tensor(tvs, dtype=torch.float64)) for tvs in tv_per_round]
+    return float(torch.stack(rounds).mean())
+
+
 class VerificationRounds:
     """What follows from ``accepted_per_round`` (accepted drafts per verification round, 0..K): the number of rounds
-    and τ. One home for one generation (:class:`SpeculativeOutput`) and for pooled prompts
+    and τ, and from ``tv_per_round`` (per round, the total variation between draft and target at each drafted
+    position; measured by the block loop, empty where a loop does not measure it) the analytic τ. One home for one
+    generation (:class:`SpeculativeOutput`) and for pooled prompts
     (:class:`~lightning_eagle.inference.acceptance.AcceptanceReport`)."""
 
     accepted_per_round: list[int]
+    tv_per_round: list[list[float]]
 
     @property
     def num_rounds(self) -> int:
@@ -69,6 +90,11 @@ class VerificationRounds:
         if not self.accepted_per_round:
             return float("nan")
         return 1.0 + sum(self.accepted_per_round) / self.num_rounds
+
+    @property
+    def tau_analytic(self) -> float:
+        """``1 + Σ_k Π_{i≤k} (1 − TV_i)`` over the measured rounds (:func:`analytic_tau`; nan when none was)."""
+        return analytic_tau(self.tv_per_round)
 
 
 @dataclass
@@ -83,6 +109,7 @@ class SpeculativeOutput(VerificationRounds):
     target_seconds: float = 0.0  # time in target forwards (prefill, verification) and rollbacks
     draft_seconds: float = 0.0  # time in draft extend/propose
     stopped: bool = False  # ended on a stop token
+    tv_per_round: list[list[float]] = field(default_factory=list, repr=False)  # block loop only (VerificationRounds)
 
     def emit(self, new_tokens: list[int], stop: set[int], max_new_tokens: int) -> bool:
         """Append ``new_tokens`` up to the first stop token and the budget; True while generation goes on."""
@@ -109,6 +136,21 @@ def as_prompt_tensor(prompt_ids, device: torch.device) -> torch.Tensor:
     if ids.dim() != 1 or ids.numel() == 0:
         raise ValueError(f"prompt_ids must be a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}")
     return ids[None]
+
+
+def open_session(
+    target,
+    prompt_ids,
+    seed: int | None,
+    stop_token_ids: Iterable[int] | None,
+    aux_layer_ids: list[int] | None = None,
+    aux_stream: str = "prefix",
+) -> tuple[IncrementalTarget, torch.Tensor, torch.Generator, set[int]]:
+    """What every decoding loop starts from: ``(a session on target tapping aux_layer_ids, the prompt as [1,T] on its
+    device, the generator of seed there, the stop ids as a set)``."""
+    session = IncrementalTarget(target, aux_layer_ids, aux_stream)
+    prompt = as_prompt_tensor(prompt_ids, session.device)
+    return session, prompt, make_generator(seed, session.device), {int(t) for t in stop_token_ids or ()}
 
 
 def check_generation_settings(
@@ -144,6 +186,31 @@ def cut_at_stop(tokens: list[int], stop: set[int]) -> tuple[list[int], bool]:
     return tokens, False
 
 
+def prefill_prompt(
+    session: IncrementalTarget,
+    prompt: torch.Tensor,
+    prefill_chunk: int | None,
+    out: SpeculativeOutput,
+    draft_chunk: Callable[[TargetStep, int, int], None] | None = None,
+) -> TargetStep:
+    """Step 0 of every speculative loop: ``prompt [1,T]`` into the target's cache, ``prefill_chunk`` tokens per
+    forward (None = one), each chunk's step handed to ``draft_chunk(step, begin, end)`` at once (the draft's side of
+    chunk ``[begin, end)``: its slots, or its context cache), so one chunk's aux states are the only ones alive.
+    Target and draft time go to ``out``; the prefill counts as one target forward whatever its number of chunks.
+    Returns the last chunk's step: its last logits choose the first new token."""
+    T = prompt.shape[1]
+    for begin, end in chunk_bounds(T, prefill_chunk):
+        t0 = time.perf_counter()
+        step = session.prefill_chunk(prompt[:, begin:end], begin, return_logits="last" if end == T else False)
+        t1 = time.perf_counter()
+        out.target_seconds += t1 - t0
+        if draft_chunk is not None:
+            draft_chunk(step, begin, end)
+            out.draft_seconds += time.perf_counter() - t1
+    out.target_forwards = 1
+    return step
+
+
 @torch.no_grad()
 def speculative_generate(
     target,
@@ -170,38 +237,36 @@ def speculative_generate(
     the target law is the top-p nucleus, and the draft samples from its own nucleus
     (:mod:`~lightning_eagle.inference.sampling`). Batch of one prompt.
     """
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
+        # None once meant "the draft config's ttt_steps"; an EAGLE-3 draft's config records only its architecture.
+        raise TypeError(f"num_draft_tokens must be an int (K tokens drafted per round), got {num_draft_tokens!r}")
     if num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     check_generation_settings(max_new_tokens, temperature, prefill_chunk, top_p)
     start = time.perf_counter()
     drafter, ids, stream = as_drafter(target, draft, aux_layer_ids)
-    session = IncrementalTarget(target, ids, stream)
+    session, prompt, gen, stop = open_session(target, prompt_ids, seed, stop_token_ids, ids, stream)
     device = session.device
-    prompt = as_prompt_tensor(prompt_ids, device)
-    gen = make_generator(seed, device)
-    stop = set(int(t) for t in (stop_token_ids or ()))
     vocab = target.config.vocab_size
     out = SpeculativeOutput(tokens=[], accepted_per_round=[], num_draft_tokens=num_draft_tokens)
     if max_new_tokens == 0:
         return out
 
     # 0. the prefill, chunk by chunk; the draft needs slots only when a round will follow the first token
+    T = prompt.shape[1]
+
+    def draft_slots(step: TargetStep, begin: int, end: int) -> None:
+        if end < T:  # the last chunk's slots wait for their last next token: the target's first pick
+            drafter.extend(step.aux_hidden_states, prompt[:, begin + 1 : end + 1])
+
     drafting = max_new_tokens > 1
     if drafting:
         drafter.reset()
-    T = prompt.shape[1]
-    for begin, end in chunk_bounds(T, prefill_chunk):
-        t0 = time.perf_counter()
-        step = session.prefill_chunk(prompt[:, begin:end], begin, return_logits="last" if end == T else False)
-        t1 = time.perf_counter()
-        out.target_seconds += t1 - t0
-        if drafting and end < T:
-            drafter.extend(step.aux_hidden_states, prompt[:, begin + 1 : end + 1])
-            out.draft_seconds += time.perf_counter() - t1
+    step = prefill_prompt(session, prompt, prefill_chunk, out, draft_slots if drafting else None)
     token = pick_token(step.logits[0, -1], temperature, gen, top_p)
-    out.target_forwards = 1  # the prefill counts once, whatever its number of chunks
     if out.emit([token], stop, max_new_tokens):
         t0 = time.perf_counter()
+        begin = T - step.hidden_states.shape[1]  # where the last chunk starts
         next_ids = torch.cat([prompt[0, begin + 1 :], prompt.new_tensor([token])])
         drafter.extend(step.aux_hidden_states, next_ids[None])
         out.draft_seconds += time.perf_counter() - t0

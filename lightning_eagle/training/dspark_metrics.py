@@ -7,7 +7,8 @@ With ``a_i = 1 − TV_i`` the analytic acceptance probability of a supervised sl
 
 * ``accept_k = Σ_{slot k supervised} a / #(slot k supervised)``;
 * ``tau_sim = mean over blocks of 1 + Σ_k Π_{i≤k} a_i`` (an unsupervised slot ends its block's product: the
-  reference's rule; the blocks are the kept anchors, each with slot 0 supervised);
+  reference's rule; the blocks are the kept anchors, each with slot 0 supervised), the formula of evaluation's
+  ``tau_analytic`` (:func:`~lightning_eagle.inference.sampling.expected_tokens_per_round`);
 * ``confidence_abs_error`` / ``confidence_bias``: ``σ(c) − a``, absolute / signed, weighted by the slot weights
   (the reference's weighting; absent without a confidence head);
 * ``anchors_per_row``: kept anchors per batch row.
@@ -22,6 +23,8 @@ from dataclasses import dataclass, fields
 
 import torch
 from torchmetrics import Metric
+
+from lightning_eagle.inference.sampling import expected_tokens_per_round
 
 
 @dataclass
@@ -55,7 +58,6 @@ def dspark_block_stats(valid: torch.Tensor, keep: torch.Tensor, loss) -> DSparkS
     accept = torch.zeros(B * A * g, dtype=torch.float64, device=valid.device)
     accept[mask] = accept_rows
     accept = accept.view(B, A, g)  # 0 at unsupervised slots: they end the product
-    survival = accept.cumprod(dim=-1)
     blocks = keep.to(torch.bool) & valid.any(dim=-1)
     w = loss.weights.double()
     if loss.confidence_logit is None:  # no confidence head: no confidence weight, no confidence metrics
@@ -65,7 +67,7 @@ def dspark_block_stats(valid: torch.Tensor, keep: torch.Tensor, loss) -> DSparkS
     return DSparkStats(
         accept_sum=accept.sum(dim=(0, 1)),
         accept_count=valid.sum(dim=(0, 1)).long(),
-        tau_sum=((1.0 + survival.sum(-1)) * blocks).sum(),
+        tau_sum=(expected_tokens_per_round(accept) * blocks).sum(),
         blocks=blocks.sum().long(),
         confidence_abs_sum=(w_conf * error.abs()).sum(),
         confidence_bias_sum=(w_conf * error).sum(),

@@ -66,6 +66,24 @@ def test_config_json_holds_what_vllm_reads(tmp_path):
     assert default_rope.rope_scaling is None and default_rope.rope_theta == 9e4
 
 
+def test_every_config_field_survives_config_json():
+    """The export writes every DSparkDraftConfig field (one list: the dataclass's): each one that has a default is
+    set off it here, so a field the writer or the reader dropped would come back as its default."""
+    import dataclasses
+
+    from lightning_eagle.draft.dspark_config import DSparkDraftConfig
+    from lightning_eagle.draft.dspark_export import dspark_config_json
+
+    off_default = {"markov_rank": 8, "enable_confidence_head": False, "rms_norm_eps": 1e-6, "rope_theta": 9e4,
+                   "rope_scaling": YARN, "max_position_embeddings": 8192, "target_num_hidden_layers": 7,
+                   "aux_hidden_state_stream": "mixed"}  # fmt: skip
+    config = dspark_config_from_preset("k3-tiny", **off_default)
+    defaults = {f.name: f.default for f in dataclasses.fields(DSparkDraftConfig)}
+    changed = {name for name in defaults if getattr(config, name) != defaults[name]}
+    assert changed == set(defaults) - {"hidden_act"}  # silu is the only value vLLM's KimiMLP takes
+    assert dspark_config_from_json(dspark_config_json(config, torch.float32)) == config
+
+
 def test_serving_command(tmp_path):
     model = drafter(aux_hidden_state_stream="mixed")
     folder = export_dspark_draft(model, tmp_path / "served")
@@ -102,6 +120,25 @@ def test_refusals_and_overwrite(tmp_path):
     save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing \['markov_head.markov_w2.weight'\]"):
         load_dspark_export(folder)
+
+
+def test_a_checkpoint_draft_is_read_as_strictly_as_an_export():
+    """Export and checkpoint readers share one strict load: the same tensors back, a missing or reshaped one named."""
+    from lightning_eagle.draft.dspark_export import DSPARK_CHECKPOINT_CONFIG_KEY, dspark_drafter_from_checkpoint
+
+    model = drafter()
+    state = {f"draft.{k}": v for k, v in model.state_dict().items()}
+    checkpoint = {DSPARK_CHECKPOINT_CONFIG_KEY: model.config.to_dict(), "state_dict": {**state, "teacher.x": 0}}
+    loaded = dspark_drafter_from_checkpoint(checkpoint)
+    assert loaded.config == model.config
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    del checkpoint["state_dict"]["draft.markov_head.markov_w2.weight"]
+    with pytest.raises(ValueError, match=r"checkpoint's DSpark draft: .*missing \['markov_head.markov_w2.weight'\]"):
+        dspark_drafter_from_checkpoint(checkpoint)
+    checkpoint["state_dict"] = {**state, "draft.context_proj.weight": state["draft.context_proj.weight"][:, :-1]}
+    with pytest.raises(ValueError, match=r"wrong shapes \[\('context_proj.weight'"):
+        dspark_drafter_from_checkpoint(checkpoint)
 
 
 @pytest.mark.parametrize(

@@ -69,6 +69,8 @@ def test_report_over_chat_file(chat_file):
     assert "vLLM: mean acceptance length" in text
     as_dict = report.to_dict()
     assert as_dict["tau"] == report.tau and len(as_dict["acceptance_per_position"]) == 3
+    # chain drafting measures no per-position TVs: no analytic tau (nan in the JSON, no line in the table)
+    assert report.tv_per_round == [] and math.isnan(as_dict["tau_analytic"]) and "tau_analytic" not in text
 
 
 def test_token_prompts_sampling_and_vocab_check():

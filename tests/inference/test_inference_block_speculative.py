@@ -15,11 +15,11 @@ from test_inference_speculative import assert_decided
 
 from lightning_eagle.data.prompts import bundled_held_out_prompts
 from lightning_eagle.draft.dspark import DSparkDrafter
-from lightning_eagle.inference.acceptance import AcceptanceReport
-from lightning_eagle.inference.block_acceptance import evaluate_block_acceptance
-from lightning_eagle.inference.block_speculative import analytic_tau, block_speculative_generate
+from lightning_eagle.inference.acceptance import evaluate_acceptance
+from lightning_eagle.inference.block_speculative import block_speculative_generate
 from lightning_eagle.inference.plain import plain_generate
 from lightning_eagle.inference.sampling import nucleus
+from lightning_eagle.inference.speculative import analytic_tau
 from lightning_eagle.k3 import KimiK3ForCausalLM
 from lightning_eagle.k3.capture import capture_taps
 from lightning_eagle.k3.loader import QUICKSTART_TARGET
@@ -214,10 +214,14 @@ def test_the_same_test_rejects_broken_verifiers(monkeypatch, broken, samples):
 
 
 # ---- acceptance over prompts, bad inputs -------------------------------------------------------------------------
-def test_evaluate_block_acceptance_reports_like_the_chain_evaluation(bundled):
+def test_evaluate_acceptance_decodes_a_block_drafter_in_blocks(bundled):
+    """The one evaluation decodes a DSpark drafter with the block loop (K None = its block size) and adds the
+    analytic tau of the TVs that loop measures."""
     target, held_out, trained = bundled
-    report = evaluate_block_acceptance(target, trained, held_out[:3], max_new_tokens=16, stop_token_ids=None)
-    assert isinstance(report, AcceptanceReport) and report.num_prompts == 3
+    report = evaluate_acceptance(
+        target, trained, held_out[:3], max_new_tokens=16, num_draft_tokens=None, stop_token_ids=None
+    )
+    assert report.num_prompts == 3
     assert report.greedy_mismatches == 0 and report.num_draft_tokens == trained.config.block_size
     singles = [block_speculative_generate(target, trained, p, 16, seed=i) for i, p in enumerate(held_out[:3])]
     assert report.accepted_per_round == [a for out in singles for a in out.accepted_per_round]

@@ -62,6 +62,18 @@ def test_each_turn_follows_the_targets_own_answer(models, monkeypatch):
     assert report.prompt_tokens == sum(len(p) for p, _ in calls)
 
 
+def test_a_block_drafter_drafts_its_block_and_pools_its_tvs(models):
+    """num_draft_tokens None: a DSpark drafter's block size, recorded as the K the loop ran; its TVs are pooled."""
+    target, _ = models
+    drafter = dspark_for_target(target, seed=7)
+    report = evaluate_prompt_set(target, drafter, SET, synthetic_k3_tokenizer(), max_new_tokens=6,
+                                 num_draft_tokens=None, temperature=0.0)  # fmt: skip
+    g = drafter.config.block_size
+    assert report.num_draft_tokens == g and set_summary(report)["num_draft_tokens"] == g
+    assert len(report.tv_per_round) == report.num_rounds > 0 and all(len(tvs) == g for tvs in report.tv_per_round)
+    assert 1.0 <= report.tau_analytic <= g + 1
+
+
 def test_summary_is_vllms_numbers_and_the_conditional_rates(models):
     target, draft = models
     report = evaluate_prompt_set(target, draft, SET, synthetic_k3_tokenizer(), max_new_tokens=8, num_draft_tokens=3)
@@ -176,6 +188,24 @@ def test_draft_family_is_read_from_the_export(exported, tmp_path):
         assert draft_family(config).name == "eagle3"
     finally:
         del DRAFT_FAMILIES["block"]
+
+
+def test_the_decoding_loop_is_the_familys_and_runs_a_training_draft_in_eval_mode():
+    from lightning_eagle.inference.block_speculative import block_speculative_generate
+    from lightning_eagle.inference.draft_families import decoding_loop
+
+    target = make_target(seed=3)
+    chain, block = draft_for_target(target, seed=1), dspark_for_target(target, seed=2)
+    with decoding_loop(chain.eval()) as generate:
+        assert generate is speculative.speculative_generate and not chain.training
+    assert not chain.training  # an eval-mode draft is left as it was
+    block.train()
+    with pytest.raises(RuntimeError, match="inside"), decoding_loop(block) as generate:
+        assert not block.training
+        out = generate(target, block, [1, 2, 3], 3, None, 0.0, 0)  # the family's signature: blocks of g
+        assert out.tokens == block_speculative_generate(target, block, [1, 2, 3], 3).tokens
+        raise RuntimeError("inside")
+    assert block.training  # switched back, also when decoding raised
 
 
 def test_callback_logs_a_sets_card_numbers(tmp_path):

@@ -73,6 +73,26 @@ def residual_from_p(draft_tokens, draft_probs, target_logits, temperature, gener
     return len(draft_tokens), sampling.sample(p[-1], generator)
 
 
+def test_expected_tokens_per_round_is_the_survival_sum():
+    """The one formula of training's DSpark tau_sim and evaluation's tau_analytic, against its loop twin: a round
+    yields token j + 1 when drafts 1..j all survive (each independently with a_j, given the ones before), so the
+    expectation is 1 + sum over j of the survival products; a zero ends the chain; values are clamped to [0, 1]."""
+    torch.manual_seed(0)
+    acceptance = torch.rand(3, 5, 6, dtype=torch.float64) * 1.2 - 0.1  # some outside [0, 1]
+    acceptance[0, 0, 2] = 0.0
+    by_hand = torch.empty(3, 5, dtype=torch.float64)
+    for b, r in itertools.product(range(3), range(5)):
+        total, survival = 1.0, 1.0
+        for a in acceptance[b, r].tolist():
+            survival *= min(max(a, 0.0), 1.0)
+            total += survival
+        by_hand[b, r] = total
+    torch.testing.assert_close(sampling.expected_tokens_per_round(acceptance), by_hand)
+    assert float(sampling.expected_tokens_per_round(acceptance[0, 0])) == pytest.approx(
+        1 + min(max(acceptance[0, 0, 0].item(), 0), 1) * (1 + min(max(acceptance[0, 0, 1].item(), 0), 1))
+    )  # the zero at slot 2 ends the chain: slots 2..5 add nothing
+
+
 def test_rejection_sampling_emits_the_target_distribution():
     first, p0, second, p1 = emitted_distribution(rejection_verify)
     assert chi_square_pvalue(first, p0) > 1e-3
