@@ -74,6 +74,13 @@ The DSpark drafter (issue 29):
   positions ``anchor..anchor+g-1``, mask ids in slots 1.., context positions ``0..P-1``). Without CUDA or without
   vLLM the engine row says so (not a failure); a self-consistency row always runs the same comparison on captures
   made by our own drafter in bf16 (the plumbing, CPU-checked). It never ran on a GPU when written.
+* ``dspark_memory`` — the memory plan's DSpark census against the device: one real DSpark training step (the K3
+  DSpark drafter's widths with 2 layers, bf16, T = 16384, 128 anchors, block chunk 32, chunked objective, with and
+  without activation checkpointing) on CUDA, its ``torch.cuda.max_memory_allocated`` growth beyond what the step
+  reads, next to the census the plan uses (the same step on meta, CUDA's masked attention kernel emulated):
+  ``ratio`` = measured / planned, PASS within [0.9, 1.1]. On CPU (reduced) the census is checked against the same
+  step run for real on CPU (eager attention, every storage counted), ratio within 1 %. It never ran on a GPU when
+  written.
 
 Time: the script is sized for < 8 min on one H200; ``--budget-s`` (default 420) skips a section that would start
 later and a ``long_context`` length predicted to end later (status "skipped (time budget)", listed under
@@ -117,7 +124,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_TARGET = REPO_ROOT / "tests" / "golden" / "target"
 SECTIONS = (
     "kda_model", "golden", "layers", "ttt_attention", "ttt_step",
-    "chunked_loss", "flash_lse_block", "latent_cache", "target_chunks", "long_context", "dspark_vllm",
+    "chunked_loss", "flash_lse_block", "latent_cache", "target_chunks", "long_context", "dspark_vllm", "dspark_memory",
 )  # fmt: skip
 DEFAULT_BUDGET_S = 420.0  # the whole script: the GPU session's ~15 min include start-up and a possible rerun
 TTT_BACKENDS = ("eager", "flash_lse", "sdpa_mask", "flex_attention")
@@ -1270,6 +1277,44 @@ def section_dspark_vllm(device: torch.device, vllm_python: str | None) -> list[d
     return rows + dspark_compare_rows(drafter, embed, captures, len(DSPARK_PROMPTS), "vLLM bf16")
 
 
+# ---- dspark_memory ------------------------------------------------------------------------------------------------
+def section_dspark_memory(device: torch.device) -> list[dict]:
+    from lightning_eagle.draft.dspark_config import dspark_config_from_preset
+    from lightning_eagle.run_settings import DSparkDraftSettings, DSparkObjectiveSettings
+    from lightning_eagle.training.dspark_memory import dspark_step_census
+
+    cuda = device.type == "cuda"
+    config = dspark_config_from_preset("k3", num_hidden_layers=2) if cuda else dspark_config_from_preset("k3-tiny")
+    dtype, T, A, chunk = ("bfloat16", 16384, 128, 32) if cuda else ("float32", 64, 12, 4)
+    objective = DSparkObjectiveSettings(num_anchors=A, loss_backend="chunked", loss_chunk=512 if cuda else 8)
+    rows = []
+    for ckpt in (True, False):
+        draft = DSparkDraftSettings(dtype=dtype, block_chunk=chunk, activation_checkpointing=ckpt)
+        options = dict(batch_size=1, seq_len=T, target_dtype=torch.bfloat16 if cuda else torch.float32)
+        if not cuda:
+            options["mla_backend"] = "eager"
+        planned = dspark_step_census(config, draft, objective, **options)
+        row = {"check": f"DSpark step T={T} A={A} checkpointing {'on' if ckpt else 'off'}",
+               "planned_peak_mb": planned.peak / 2**20}  # fmt: skip
+        try:
+            if cuda:
+                release(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+                measured = dspark_step_census(config, draft, objective, device="cuda", **options)
+                peak = torch.cuda.max_memory_allocated(device) - base - measured.held
+            else:
+                peak = dspark_step_census(config, draft, objective, device="cpu", **options).peak
+        except Exception as error:
+            rows.append({**row, "status": "OOM" if is_oom(error) else "error", "note": error_text(error)})
+            continue
+        ratio = peak / planned.peak
+        bound = (0.9, 1.1) if cuda else (0.99, 1.01)
+        status = "PASS" if bound[0] <= ratio <= bound[1] else "FAIL"
+        rows.append({**row, "measured_peak_mb": peak / 2**20, "ratio": ratio, "status": status})
+    return rows
+
+
 def run_section(name: str, device: torch.device, sizes: Sizes, args) -> list[dict]:
     if name == "kda_model":
         return section_kda_model(device, sizes)
@@ -1285,6 +1330,8 @@ def run_section(name: str, device: torch.device, sizes: Sizes, args) -> list[dic
         return section_long_context(device, sizes, args.deadline)
     if name == "dspark_vllm":
         return section_dspark_vllm(device, args.vllm_python)
+    if name == "dspark_memory":
+        return section_dspark_memory(device)
     sections = {
         "chunked_loss": section_chunked_loss,
         "flash_lse_block": section_flash_lse_block,

@@ -29,6 +29,7 @@ from lightning_eagle.parallel.memory_plan.census import (
     StepCensus,
     cuda_attention_on_meta,
     meta_autocast_as_cpu,
+    storage_bytes,
     storages,
 )
 from lightning_eagle.run_settings import DSparkDraftSettings, DSparkObjectiveSettings
@@ -79,7 +80,8 @@ def dspark_step_census(
 ) -> StepCensus:
     """What one DSpark training step allocates on a CUDA device beyond its inputs and weights (module docstring).
     ``mla_backend``: the attention core (``sdpa``: what ``auto`` runs on CUDA; ``eager``: the census's own check
-    against a real CPU step); ``device="cpu"`` runs the same step for real, the check of the meta census."""
+    against a real CPU step); ``device="cpu"`` / ``"cuda"`` runs the same step for real, the checks of the meta
+    census (tests; ``benchmarks/gpu_check.py``'s ``dspark_memory`` against the CUDA allocator's peak)."""
     dtype = DTYPES[draft.dtype]
     B, T, H_t, V = batch_size, seq_len, config.target_hidden_size, config.vocab_size
     blocks, anchors = _blocks(B, T, objective.num_anchors, config.block_size, device)
@@ -121,4 +123,4 @@ def dspark_step_census(
             loss = dspark_loss_plain(rows, heads, **options)
         kept = mode.live()
         loss.loss.backward()
-    return StepCensus(kept_after_forward=kept, peak=mode.peak)
+    return StepCensus(kept_after_forward=kept, peak=mode.peak, held=storage_bytes([*inputs, *weights]))

@@ -31,10 +31,12 @@ _MEM_EFFICIENT_BIAS_ALIGNMENT = 16  # the kernel's bias row alignment (elements)
 @dataclass(frozen=True)
 class StepCensus:
     """Bytes a step allocates beyond its inputs and parameters: alive after the forward (what autograd keeps for the
-    backward, the loss included) and at the peak of forward + backward; ``.grad`` buffers not included."""
+    backward, the loss included) and at the peak of forward + backward; ``.grad`` buffers not included. ``held``:
+    the bytes of what it reads (inputs, parameters, gradient buffers), what a device's allocator holds besides."""
 
     kept_after_forward: int
     peak: int
+    held: int = 0
 
 
 class LiveBytes(TorchDispatchMode):
@@ -63,6 +65,12 @@ class LiveBytes(TorchDispatchMode):
 def storages(tensors) -> set[int]:
     """The storage ids of ``tensors`` (what :class:`LiveBytes` is told to ignore)."""
     return {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)}
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors``."""
+    unique = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(unique.values())
 
 
 @contextlib.contextmanager
