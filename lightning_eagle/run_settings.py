@@ -216,14 +216,16 @@ class DSparkDraftSettings:
     target's), checked when the module builds the config; ``config``: its fields to override (``{"block_size": 7}``);
     the taps, their stream, the vocabulary and the target's width and depth come from ``model.target``, never from
     here. ``block_chunk``: anchors per attention call (None: all at once); ``kv_form``: ``"latent"`` keys (what vLLM
-    caches) or the ``"expanded"`` twin; ``init_seed``: the random init, the same on every rank; ``dtype``: the
-    training dtype.
+    caches) or the ``"expanded"`` twin; ``shard``: FSDP2-shard the drafter's parameters, gradients and AdamW
+    states over all ranks (as EAGLE-3's ``model.draft.shard``); ``init_seed``: the random init, the same on every
+    rank; ``dtype``: the training dtype.
     """
 
     preset: str = "k3"
     config: dict[str, Any] | None = None
     block_chunk: int | None = 64
     kv_form: Literal[DSPARK_KV_FORMS] = "latent"
+    shard: bool = False
     init_seed: int = 0
     dtype: Literal[DRAFT_DTYPES] = "float32"
 
@@ -240,10 +242,12 @@ class DSparkDraftSettings:
         check_positive_int_or_none("model.draft.block_chunk", self.block_chunk, "anchors per call", "all at once")
         _choice("model.draft.kv_form", self.kv_form, DSPARK_KV_FORMS)
         _choice("model.draft.dtype", self.dtype, DRAFT_DTYPES)
+        _flag("model.draft.shard", self.shard)
         check_settings("model.draft", {"init_seed": (self.init_seed, "non_negative", int)})
 
     def __hash__(self) -> int:  # `config` is a dict: hash what identifies the settings
-        return hash((self.preset, tuple(sorted(self.config.items(), key=str)), self.block_chunk, self.kv_form))
+        config = tuple(sorted(self.config.items(), key=str))
+        return hash((self.preset, config, self.block_chunk, self.kv_form, self.shard))
 
 
 @dataclass(frozen=True)

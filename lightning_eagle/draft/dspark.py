@@ -59,6 +59,10 @@ ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: latent [B,1,T,
 class DSparkDecoderLayer(nn.Module):
     """One DSpark layer: pre-norm RoPE MLA over ``[context ; block]`` keys, pre-norm ``KimiMLP`` (SiLU)."""
 
+    # Methods besides ``forward`` that read the layer's weights: an FSDP2-sharded drafter gathers them around these
+    # calls too (``model.draft.shard``; :func:`~lightning_eagle.parallel.dense_shard.shard_draft`).
+    fsdp_forward_methods = ("context_latent",)
+
     def __init__(self, config: DSparkDraftConfig) -> None:
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
@@ -94,6 +98,8 @@ class DSparkDecoderLayer(nn.Module):
 
 class MarkovHead(nn.Module):
     """DSpark's vanilla sequential head: ``bias(x_prev) = markov_w2(markov_w1[x_prev])``, rank r."""
+
+    fsdp_forward_methods = ("embed", "bias")  # it has no forward: these are its calls (DSparkDecoderLayer's note)
 
     def __init__(self, vocab_size: int, rank: int) -> None:
         super().__init__()
@@ -163,6 +169,16 @@ class DSparkDrafter(nn.Module):
         self.final_norm = K3RMSNorm(H, eps=eps)
         self.markov_head = MarkovHead(config.vocab_size, config.markov_rank)
         self.confidence_head = ConfidenceHead(H + config.markov_rank) if config.enable_confidence_head else None
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """What ``model.draft.shard`` makes FSDP2 units: ``context_proj``, ``context_norm``, each decoder layer,
+        ``final_norm``, the Markov head and the confidence head (:meth:`head_units`: what the objective reads as whole
+        weights, outside any of their calls)."""
+        return [self.context_proj, self.context_norm, *self.layers, self.final_norm, *self.head_units()]
+
+    def head_units(self) -> list[nn.Module]:
+        """The Markov head and the confidence head (when there is one)."""
+        return [self.markov_head] + ([] if self.confidence_head is None else [self.confidence_head])
 
     # ---- context -----------------------------------------------------------------------------------------------
     def context_kv(self, context_features: torch.Tensor, positions: torch.Tensor) -> ContextKV:
