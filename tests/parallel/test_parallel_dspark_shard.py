@@ -5,17 +5,25 @@ checkpoints, resume and export as a replicated 2-rank run."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 
+from lightning_eagle.data import ChatDataModule
 from lightning_eagle.draft.dspark import DSparkContextCache
 from lightning_eagle.parallel.dense_shard import is_sharded, shard_draft
 from lightning_eagle.parallel.local_launch import launch_local
+from lightning_eagle.parallel.strategy import ExpertParallelStrategy
 from lightning_eagle.run_settings import DSparkDraftSettings, DSparkObjectiveSettings, TargetSettings
 from lightning_eagle.training.dspark_anchors import anchor_generator
 from lightning_eagle.training.dspark_module import DSparkModule
+from lightning_eagle.training.export_callback import ExportDraftCallback
 
 pytestmark = pytest.mark.multiprocess
 
@@ -94,3 +102,99 @@ def test_a_sharded_drafter_steps_and_proposes_like_the_replicated_one(backend):
             torch.testing.assert_close(grad, replicated[name], rtol=1e-5, atol=1e-7, msg=f"rank {rank}: {name}")
         for got, want in zip(out["sharded_block"], out["replicated_block"], strict=True):
             torch.testing.assert_close(got, want, **close)
+
+
+# ---- through Lightning: fit, checkpoints, resume, export ----------------------------------------------------------
+STEPS = 2
+DATA = {"max_length": 96, "batch_size": 2, "thinking_effort": None, "use_cache": False}
+
+
+def _sgd(params):
+    # Linear in the gradient: a different summation order stays at float-noise level (Adam would amplify it).
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+class _Sharding(pl.Callback):
+    """One intra-op thread per rank; records on rank 0 whether the drafter's parameters are DTensors."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def setup(self, trainer, pl_module, stage):
+        torch.set_num_threads(1)
+
+    def on_train_end(self, trainer, module):
+        if trainer.global_rank == 0:
+            (self.out / "sharded.txt").write_text(str(all(is_sharded(p) for p in module.draft.parameters())))
+
+
+def _fit(out: Path, devices: int, shard: bool, max_steps: int = STEPS, ckpt_path=None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    module = DSparkModule(
+        TINY_TARGET, DSparkDraftSettings(preset="k3-tiny", shard=shard),
+        DSparkObjectiveSettings(num_anchors=16, loss_backend="chunked", loss_chunk=64), optimizer=_sgd,
+    )  # fmt: skip
+    every_step = ModelCheckpoint(dirpath=out, filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    export = ExportDraftCallback(out_dir=str(out / "draft"), use_best=False, dtype="float32")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, max_steps=max_steps, limit_val_batches=0, num_sanity_val_steps=0,
+        strategy=ExpertParallelStrategy(expert_parallel_size=devices, start_method="fork"), logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out),
+        callbacks=[_Sharding(out), every_step, export],
+    )  # fmt: skip
+    trainer.fit(module, ChatDataModule(**DATA), ckpt_path=ckpt_path)
+
+
+def _drafter(path: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("draft.")}
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys() and want
+    for name in want:  # whole tensors, whichever layout wrote them
+        assert not is_sharded(got[name])
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import torch._dynamo  # noqa: F401 - imported once here instead of in every forked rank
+
+    tmp = tmp_path_factory.mktemp("dspark_shard")
+    _fit(tmp / "replicated", 2, shard=False)
+    _fit(tmp / "sharded", 2, shard=True)
+    _fit(tmp / "resumed", 2, shard=True, ckpt_path=tmp / "sharded" / "step=1.ckpt")
+    return tmp
+
+
+@pytest.mark.slow
+def test_a_sharded_dspark_fit_trains_checkpoints_and_exports_the_replicated_drafter(runs):
+    assert [(runs / name / "sharded.txt").read_text() for name in ("sharded", "replicated")] == ["True", "False"]
+    first, last = _drafter(runs / "sharded" / "step=1.ckpt"), _drafter(runs / "sharded" / f"step={STEPS}.ckpt")
+    assert any(not torch.equal(first[k], last[k]) for k in first)  # it trained
+    for step in (1, STEPS):
+        _assert_same(_drafter(runs / "sharded" / f"step={step}.ckpt"), _drafter(runs / "replicated" /
+                                                                               f"step={step}.ckpt"))  # fmt: skip
+    sharded = load_file(str(runs / "sharded" / "draft" / "model.safetensors"))
+    _assert_same(sharded, load_file(str(runs / "replicated" / "draft" / "model.safetensors")))
+    assert {f"draft.{k}" for k in sharded} == set(_drafter(runs / "sharded" / f"step={STEPS}.ckpt"))
+
+
+@pytest.mark.slow
+def test_a_sharded_dspark_checkpoint_resumes_to_the_uninterrupted_drafter(runs):
+    _assert_same(_drafter(runs / "resumed" / f"step={STEPS}.ckpt"), _drafter(runs / "sharded" / f"step={STEPS}.ckpt"))
+    resumed = load_file(str(runs / "resumed" / "draft" / "model.safetensors"))
+    _assert_same(resumed, load_file(str(runs / "sharded" / "draft" / "model.safetensors")))
+
+
+# Under the fork launcher a worker's error reaches the caller as ProcessRaisedException carrying the message.
+@pytest.mark.slow
+def test_a_sharded_dspark_checkpoint_refuses_a_replicated_resume(runs):
+    with pytest.raises(Exception, match="written with model.draft.shard=True and this run has model.draft.shard=False"):
+        _fit(runs / "refused", 2, shard=False, ckpt_path=runs / "sharded" / "step=1.ckpt")
+
+
+def test_dspark_shard_needs_more_than_one_rank(tmp_path):
+    with pytest.raises(Exception, match="model.draft.shard=true shards the draft over ranks"):
+        _fit(tmp_path, 1, shard=True, max_steps=1)
