@@ -1,10 +1,11 @@
 """``model.draft.shard`` for the DSpark drafter: its units FSDP2-sharded over 2 forked gloo ranks give the replicated
 drafter's step (loss and averaged gradients, both loss backends, whose heads are read outside any unit call), its
 inference calls (context cache, block proposal, Markov sampling), and through Lightning the same trained drafter,
-checkpoints, resume and export as a replicated 2-rank run."""
+validation (real block decoding included), checkpoints, resume and export as a replicated 2-rank run."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -17,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_eagle.data import ChatDataModule
 from lightning_eagle.draft.dspark import DSparkContextCache
+from lightning_eagle.inference.callback import AcceptanceCallback
 from lightning_eagle.parallel.dense_shard import is_sharded, shard_draft
 from lightning_eagle.parallel.local_launch import launch_local
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
@@ -114,14 +116,20 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
-class _Sharding(pl.Callback):
-    """One intra-op thread per rank; records on rank 0 whether the drafter's parameters are DTensors."""
+class _Record(pl.Callback):
+    """One intra-op thread per rank; records on rank 0 whether the drafter's parameters are DTensors and the
+    validation metrics (the objective's, and real block decoding's ``val/tau_real``, run by every rank)."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
 
     def setup(self, trainer, pl_module, stage):
         torch.set_num_threads(1)
+
+    def on_validation_end(self, trainer, module):
+        if trainer.global_rank == 0:
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+            (self.out / "val.json").write_text(json.dumps(metrics))
 
     def on_train_end(self, trainer, module):
         if trainer.global_rank == 0:
@@ -136,11 +144,12 @@ def _fit(out: Path, devices: int, shard: bool, max_steps: int = STEPS, ckpt_path
     )  # fmt: skip
     every_step = ModelCheckpoint(dirpath=out, filename="{step}", every_n_train_steps=1, save_top_k=-1)
     export = ExportDraftCallback(out_dir=str(out / "draft"), use_best=False, dtype="float32")
+    decode = AcceptanceCallback(num_prompts=2, max_new_tokens=8)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, max_steps=max_steps, limit_val_batches=0, num_sanity_val_steps=0,
-        strategy=ExpertParallelStrategy(expert_parallel_size=devices, start_method="fork"), logger=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out),
-        callbacks=[_Sharding(out), every_step, export],
+        accelerator="cpu", devices=devices, max_steps=max_steps, limit_val_batches=1, val_check_interval=STEPS,
+        check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
+        strategy=ExpertParallelStrategy(expert_parallel_size=devices, start_method="fork"),
+        enable_model_summary=False, default_root_dir=str(out), callbacks=[_Record(out), every_step, export, decode],
     )  # fmt: skip
     trainer.fit(module, ChatDataModule(**DATA), ckpt_path=ckpt_path)
 
@@ -173,6 +182,9 @@ def test_a_sharded_dspark_fit_trains_checkpoints_and_exports_the_replicated_draf
     assert [(runs / name / "sharded.txt").read_text() for name in ("sharded", "replicated")] == ["True", "False"]
     first, last = _drafter(runs / "sharded" / "step=1.ckpt"), _drafter(runs / "sharded" / f"step={STEPS}.ckpt")
     assert any(not torch.equal(first[k], last[k]) for k in first)  # it trained
+    sharded_val, replicated_val = (json.loads((runs / n / "val.json").read_text()) for n in ("sharded", "replicated"))
+    assert {"val/loss", "val/tau_sim", "val/tau_real"} <= set(replicated_val)
+    assert sharded_val == pytest.approx(replicated_val, rel=1e-5, abs=1e-6)
     for step in (1, STEPS):
         _assert_same(_drafter(runs / "sharded" / f"step={step}.ckpt"), _drafter(runs / "replicated" /
                                                                                f"step={step}.ckpt"))  # fmt: skip
