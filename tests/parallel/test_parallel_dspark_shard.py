@@ -138,12 +138,16 @@ class _Record(pl.Callback):
             (self.out / "bytes.txt").write_text(str(dense_bytes_held(module.draft)))  # this rank's parameter bytes
 
 
-def _fit(out: Path, devices: int, shard: bool, max_steps: int = STEPS, ckpt_path=None) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    module = DSparkModule(
+def _dspark_module(shard: bool) -> DSparkModule:
+    return DSparkModule(
         TINY_TARGET, DSparkDraftSettings(preset="k3-tiny", shard=shard),
         DSparkObjectiveSettings(num_anchors=16, loss_backend="chunked", loss_chunk=64), optimizer=_sgd,
     )  # fmt: skip
+
+
+def _fit(out: Path, devices: int, shard: bool, max_steps: int = STEPS, ckpt_path=None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    module = _dspark_module(shard)
     every_step = ModelCheckpoint(dirpath=out, filename="{step}", every_n_train_steps=1, save_top_k=-1)
     export = ExportDraftCallback(out_dir=str(out / "draft"), use_best=False, dtype="float32")
     decode = AcceptanceCallback(num_prompts=2, max_new_tokens=8)
@@ -213,9 +217,15 @@ def test_a_sharded_dspark_checkpoint_refuses_a_replicated_resume(runs):
         _fit(runs / "refused", 2, shard=False, ckpt_path=runs / "sharded" / "step=1.ckpt")
 
 
-def test_dspark_shard_needs_more_than_one_rank(tmp_path):
+def test_dspark_shard_needs_more_than_one_rank_and_is_refused_before_any_weight_is_read(tmp_path):
     with pytest.raises(Exception, match="model.draft.shard=true shards the draft over ranks"):
-        _fit(tmp_path, 1, shard=True, max_steps=1)
+        _fit(tmp_path / "ep", 1, shard=True, max_steps=1)
+    module = _dspark_module(shard=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                         default_root_dir=str(tmp_path / "single"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"model.draft.shard=true shards the draft over ranks.*\(got world size 1\)"):
+        trainer.fit(module, ChatDataModule(**DATA))
+    assert module.source is None and module.draft is None  # refused in setup: neither target nor drafter was built
 
 
 def _unregistered_rank(rank: int, world: int) -> str:
