@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 
+from lightning_eagle.commands.export import main as export_main
 from lightning_eagle.data import ChatDataModule
 from lightning_eagle.draft.dspark import DSparkContextCache
 from lightning_eagle.draft.dspark_export import dspark_drafter_from_checkpoint, dspark_export_state
@@ -145,7 +146,7 @@ def _dspark_module(shard: bool) -> DSparkModule:
     )  # fmt: skip
 
 
-def _fit(out: Path, devices: int, shard: bool, max_steps: int = STEPS, ckpt_path=None) -> None:
+def _fit(out: Path, devices: int, shard: bool, max_steps: int = STEPS, ckpt_path=None, dcp: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     module = _dspark_module(shard)
     every_step = ModelCheckpoint(dirpath=out, filename="{step}", every_n_train_steps=1, save_top_k=-1)
@@ -155,7 +156,8 @@ def _fit(out: Path, devices: int, shard: bool, max_steps: int = STEPS, ckpt_path
         accelerator="cpu", devices=devices, max_steps=max_steps, gradient_clip_val=1.0, limit_val_batches=1,
         val_check_interval=STEPS,
         check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
-        strategy=ExpertParallelStrategy(expert_parallel_size=devices, start_method="fork"),
+        strategy=ExpertParallelStrategy(expert_parallel_size=devices, start_method="fork",
+                                        save_distributed_checkpoint=dcp),
         enable_model_summary=False, default_root_dir=str(out), callbacks=[_Record(out), every_step, export, decode],
     )  # fmt: skip
     trainer.fit(module, ChatDataModule(**DATA), ckpt_path=ckpt_path)
@@ -181,6 +183,8 @@ def runs(tmp_path_factory):
     _fit(tmp / "replicated", 2, shard=False)
     _fit(tmp / "sharded", 2, shard=True)
     _fit(tmp / "resumed", 2, shard=True, ckpt_path=tmp / "sharded" / "step=1.ckpt")
+    _fit(tmp / "dcp", 2, shard=True, dcp=True)  # checkpoints as DCP folders, one file per rank
+    _fit(tmp / "dcp_resumed", 2, shard=True, ckpt_path=tmp / "dcp" / "step=1.ckpt", dcp=True)
     return tmp
 
 
@@ -208,6 +212,16 @@ def test_a_sharded_dspark_checkpoint_resumes_to_the_uninterrupted_drafter(runs):
     _assert_same(_drafter(runs / "resumed" / f"step={STEPS}.ckpt"), _drafter(runs / "sharded" / f"step={STEPS}.ckpt"))
     resumed = load_file(str(runs / "resumed" / "draft" / "model.safetensors"))
     _assert_same(resumed, load_file(str(runs / "sharded" / "draft" / "model.safetensors")))
+
+
+@pytest.mark.slow
+def test_a_sharded_dspark_runs_dcp_checkpoints_resume_and_export_the_same_drafter(runs, tmp_path):
+    fit_export = load_file(str(runs / "sharded" / "draft" / "model.safetensors"))
+    for name in ("dcp", "dcp_resumed"):
+        assert (runs / name / f"step={STEPS}.ckpt" / ".metadata").is_file()
+        _assert_same(load_file(str(runs / name / "draft" / "model.safetensors")), fit_export)
+    export_main([str(runs / "dcp" / f"step={STEPS}.ckpt"), str(tmp_path / "exported"), "--dtype", "float32"])
+    _assert_same(load_file(str(tmp_path / "exported" / "model.safetensors")), fit_export)  # the folder says DSpark
 
 
 # Under the fork launcher a worker's error reaches the caller as ProcessRaisedException carrying the message.
