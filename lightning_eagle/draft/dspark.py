@@ -77,6 +77,20 @@ class DSparkDecoderLayer(nn.Module):
 
     def forward(
         self,
+        xs: list[torch.Tensor],
+        positions: list[torch.Tensor],
+        allowed: list[torch.Tensor],
+        context: tuple[torch.Tensor, torch.Tensor],
+        kv_form: str,
+        core: str,
+    ) -> list[torch.Tensor]:
+        """The layer over every anchor chunk of a call at once (an FSDP2-sharded layer is then gathered once for all
+        of them, not once per chunk): chunk i is ``xs[i] [B,S,H]`` at ``positions[i] [B,S]`` with ``allowed[i]
+        [B,1,S,T+S]``; ``context`` = this layer's context latent and rotated ``k_pe``."""
+        return [self.block(x, p, context, a, kv_form, core) for x, p, a in zip(xs, positions, allowed, strict=True)]
+
+    def block(
+        self,
         x: torch.Tensor,
         positions: torch.Tensor,
         context: tuple[torch.Tensor, torch.Tensor],
@@ -84,9 +98,8 @@ class DSparkDecoderLayer(nn.Module):
         kv_form: str,
         core: str,
     ) -> torch.Tensor:
-        """``x [B,S,H]`` block states at ``positions [B,S]``; ``context`` = this layer's context latent and rotated
-        ``k_pe``; ``allowed [B,1,S,T+S]`` boolean; ``kv_form`` / ``core``: :mod:`~lightning_eagle.draft.
-        dspark_attention`."""
+        """One chunk: ``x [B,S,H]`` block states at ``positions [B,S]``; ``allowed [B,1,S,T+S]`` boolean;
+        ``kv_form`` / ``core``: :mod:`~lightning_eagle.draft.dspark_attention`."""
         attn = self.self_attn
         h = self.input_layernorm(x)
         q = attn.project_query(h, positions)
@@ -212,23 +225,34 @@ class DSparkDrafter(nn.Module):
         return embed(ids)
 
     def run_blocks(
-        self, x: torch.Tensor, anchors: torch.Tensor, context: ContextKV, context_positions: torch.Tensor
+        self,
+        x: torch.Tensor,
+        anchors: torch.Tensor,
+        context: ContextKV,
+        context_positions: torch.Tensor,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         """The N layers and ``final_norm`` over the blocks ``x [B,a,g,H]`` of ``anchors [B,a]`` against the context
-        latents ``context`` at ``context_positions [T]`` (or ``[B,T]``), all anchors in one attention call."""
+        latents ``context`` at ``context_positions [T]`` (or ``[B,T]``), ``chunk`` anchors per attention call (None:
+        all at once; each block depends only on the context and itself). Layer by layer, each over every chunk."""
         B, a, g, H = x.shape
+        chunk = a if chunk is None else chunk
         slot = torch.arange(g, device=x.device)
-        positions = (anchors[..., None] + slot).reshape(B, a * g)
         ctx_pos = context_positions.expand(B, -1) if context_positions.dim() == 1 else context_positions
-        sees_context = ctx_pos[:, None, :] < anchors.repeat_interleave(g, dim=1)[:, :, None]  # [B, a·g, T]
-        block_of = torch.arange(a, device=x.device).repeat_interleave(g)
-        own_block = (block_of[:, None] == block_of[None, :]).expand(B, -1, -1)  # [B, a·g, a·g]
-        allowed = torch.cat([sees_context, own_block], dim=-1)[:, None]
+        hs, positions, allowed = [], [], []
+        for start in range(0, a, chunk):
+            part = anchors[:, start : start + chunk]
+            n = part.shape[1]
+            positions.append((part[..., None] + slot).reshape(B, n * g))
+            sees_context = ctx_pos[:, None, :] < part.repeat_interleave(g, dim=1)[:, :, None]  # [B, n·g, T]
+            block_of = torch.arange(n, device=x.device).repeat_interleave(g)
+            own_block = (block_of[:, None] == block_of[None, :]).expand(B, -1, -1)  # [B, n·g, n·g]
+            allowed.append(torch.cat([sees_context, own_block], dim=-1)[:, None])
+            hs.append(x[:, start : start + chunk].reshape(B, n * g, H))
         core, kv_form = MLA_BACKEND.resolve(self.mla_backend, x.device), check_kv_form(self.kv_form)
-        h = x.reshape(B, a * g, H)
         for layer, layer_context in zip(self.layers, context, strict=True):
-            h = layer(h, positions, layer_context, allowed, kv_form, core)
-        return self.final_norm(h).view(B, a, g, H)
+            hs = layer(hs, positions, allowed, layer_context, kv_form, core)
+        return self.final_norm(torch.cat(hs, dim=1)).view(B, a, g, H)
 
     def forward(
         self,
@@ -240,8 +264,9 @@ class DSparkDrafter(nn.Module):
     ) -> torch.Tensor:
         """Training forward: ``context_features [B,T,n_taps·H_t]``, ``input_ids [B,T]``, ``anchors [B,A]`` (positions),
         ``keep [B,A]`` bool (real anchors), ``embed`` the frozen target embedding → the slot states after
-        ``final_norm``, ``[B,A,g,H]`` (zero for ``keep`` false). Anchors go through the layers ``block_chunk`` at a
-        time (each block depends only on the context and itself), so no ``[A·g, T]`` mask exists at once."""
+        ``final_norm``, ``[B,A,g,H]`` (zero for ``keep`` false). Each attention call takes ``block_chunk`` anchors (each
+        block depends only on the context and itself), so no ``[A·g, T + A·g]`` scores exist at once; each layer runs
+        once over all chunks (an FSDP2-sharded layer is gathered once for them, not once per chunk)."""
         B, T = input_ids.shape
         if context_features.shape[:2] != (B, T):
             raise ValueError(
@@ -255,14 +280,9 @@ class DSparkDrafter(nn.Module):
             raise ValueError(f"anchors must be positions in [0, {T}), got values in [{anchors.min()}, {anchors.max()}]")
         positions = torch.arange(T, device=input_ids.device)
         context = self.context_kv(context_features, positions)
-        x = self.block_inputs(input_ids, anchors, embed)
-        A = anchors.shape[1]
-        chunk = A if self.block_chunk is None else self.block_chunk
-        outs = [
-            self.run_blocks(x[:, s : s + chunk], anchors[:, s : s + chunk], context, positions)
-            for s in range(0, A, chunk)
-        ]
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        out = self.run_blocks(
+            self.block_inputs(input_ids, anchors, embed), anchors, context, positions, self.block_chunk
+        )
         return out * keep[:, :, None, None].to(out.dtype)
 
     # ---- heads -------------------------------------------------------------------------------------------------

@@ -34,9 +34,9 @@ pytestmark = pytest.mark.multiprocess
 TINY_TARGET = TargetSettings(path="quickstart", aux_layer_ids=(1, 3, 4), dtype="float32")
 
 
-def _module(backend: str) -> DSparkModule:
+def _module(backend: str, block_chunk: int | None = 5) -> DSparkModule:
     objective = DSparkObjectiveSettings(num_anchors=12, loss_backend=backend, loss_chunk=7)
-    module = DSparkModule(TINY_TARGET, DSparkDraftSettings(preset="k3-tiny"), objective)
+    module = DSparkModule(TINY_TARGET, DSparkDraftSettings(preset="k3-tiny", block_chunk=block_chunk), objective)
     module.configure_model()
     return module
 
@@ -106,6 +106,28 @@ def test_a_sharded_drafter_steps_and_proposes_like_the_replicated_one(backend):
             torch.testing.assert_close(grad, replicated[name], rtol=1e-5, atol=1e-7, msg=f"rank {rank}: {name}")
         for got, want in zip(out["sharded_block"], out["replicated_block"], strict=True):
             torch.testing.assert_close(got, want, **close)
+
+
+def _gathers_rank(rank: int, world: int) -> list[int]:
+    torch.set_num_threads(1)
+    counts, all_gather = [], dist.all_gather_single  # what FSDP2's all-gather of one unit calls (torch 2.13)
+
+    def counted(*args, **kwargs):
+        counts[-1] += 1
+        return all_gather(*args, **kwargs)
+
+    dist.all_gather_single = counted
+    for block_chunk in (None, 5, 2):  # 1, 3 and 6 attention calls for 12 anchors
+        module = _module("chunked", block_chunk)
+        shard_draft(module.draft, init_device_mesh("cpu", (world,)))
+        counts.append(0)
+        module.shared_step(_batch(rank), anchor_generator(0, 0, rank))[0].loss.backward()
+    return counts
+
+
+def test_a_sharded_layer_is_gathered_per_call_not_per_anchor_chunk():
+    for counts in launch_local(_gathers_rank, 2, timeout_s=300):
+        assert counts[0] > 0 and counts == [counts[0]] * 3, counts
 
 
 # ---- through Lightning: fit, checkpoints, resume, export ----------------------------------------------------------
