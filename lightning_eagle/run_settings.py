@@ -122,6 +122,7 @@ class DraftSettings:
         _choice("model.draft.dtype", self.dtype, DRAFT_DTYPES)
         _flag("model.draft.activation_checkpointing", self.activation_checkpointing)
         _flag("model.draft.shard", self.shard)
+        _flag("model.draft.activation_checkpointing", self.activation_checkpointing)
         check_settings("model.draft", {"init_seed": (self.init_seed, "non_negative", int)})
 
     def __hash__(self) -> int:  # `config` is a dict: hash what identifies the settings
@@ -216,9 +217,10 @@ class DSparkDraftSettings:
     target's), checked when the module builds the config; ``config``: its fields to override (``{"block_size": 7}``);
     the taps, their stream, the vocabulary and the target's width and depth come from ``model.target``, never from
     here. ``block_chunk``: anchors per attention call (None: all at once); ``kv_form``: ``"latent"`` keys (what vLLM
-    caches) or the ``"expanded"`` twin; ``activation_checkpointing``: keep only each chunk's inputs and recompute its
-    layers in the backward (long rows); ``init_seed``: the random init, the same on every rank; ``dtype``: the
-    training dtype.
+    caches) or the ``"expanded"`` twin; ``activation_checkpointing``: keep only each layer's input and recompute the
+    layer in the backward (long rows); ``shard``: FSDP2-shard the drafter's parameters, gradients and AdamW states
+    over all ranks (as EAGLE-3's ``model.draft.shard``); ``init_seed``: the random init, the same on every rank;
+    ``dtype``: the training dtype.
     """
 
     preset: str = "k3"
@@ -226,6 +228,7 @@ class DSparkDraftSettings:
     block_chunk: int | None = 64
     kv_form: Literal[DSPARK_KV_FORMS] = "latent"
     activation_checkpointing: bool = False
+    shard: bool = False
     init_seed: int = 0
     dtype: Literal[DRAFT_DTYPES] = "float32"
 
@@ -242,13 +245,13 @@ class DSparkDraftSettings:
         check_positive_int_or_none("model.draft.block_chunk", self.block_chunk, "anchors per call", "all at once")
         _choice("model.draft.kv_form", self.kv_form, DSPARK_KV_FORMS)
         _choice("model.draft.dtype", self.dtype, DRAFT_DTYPES)
+        _flag("model.draft.shard", self.shard)
+        _flag("model.draft.activation_checkpointing", self.activation_checkpointing)
         check_settings("model.draft", {"init_seed": (self.init_seed, "non_negative", int)})
-        if not isinstance(self.activation_checkpointing, bool):
-            got = self.activation_checkpointing
-            raise ValueError(f"model.draft.activation_checkpointing must be a bool, got {got!r}")
 
     def __hash__(self) -> int:  # `config` is a dict: hash what identifies the settings
-        return hash((self.preset, tuple(sorted(self.config.items(), key=str)), self.block_chunk, self.kv_form))
+        config = tuple(sorted(self.config.items(), key=str))
+        return hash((self.preset, config, self.block_chunk, self.kv_form, self.shard))
 
 
 @dataclass(frozen=True)

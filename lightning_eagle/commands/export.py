@@ -15,7 +15,7 @@ from lightning_eagle.dtypes import DTYPES
 def main(argv: list[str] | None = None) -> None:
     from lightning_eagle.checkpoint_io import load_checkpoint_file
     from lightning_eagle.draft.dspark_export import is_dspark_checkpoint
-    from lightning_eagle.draft.export import export_draft
+    from lightning_eagle.draft.export import export_draft, load_dcp_checkpoint
     from lightning_eagle.draft.serving_format import CONFIG_NAME, serving_instructions
 
     parser = CommandParser(prog="lightning-eagle export", description="Write a trained draft in its serving layout.")
@@ -30,8 +30,10 @@ def main(argv: list[str] | None = None) -> None:
     source = args.checkpoint
     if Path(source).is_file():  # read once: its keys say the family
         source = load_checkpoint_file(source, weights_only=False)
-        if is_dspark_checkpoint(source):
-            return _export_dspark(source, args)
+    elif (Path(source) / ".metadata").is_file():  # a sharded draft's DCP folder, consolidated once
+        source = load_dcp_checkpoint(source)
+    if isinstance(source, dict) and is_dspark_checkpoint(source):
+        return _export_dspark(source, args)
     path = export_draft(
         source,
         args.out_dir,

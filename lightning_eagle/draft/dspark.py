@@ -60,6 +60,10 @@ ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: latent [B,1,T,
 class DSparkDecoderLayer(nn.Module):
     """One DSpark layer: pre-norm RoPE MLA over ``[context ; block]`` keys, pre-norm ``KimiMLP`` (SiLU)."""
 
+    # Methods besides ``forward`` that read the layer's weights: an FSDP2-sharded drafter gathers them around these
+    # calls too (``model.draft.shard``; :func:`~lightning_eagle.parallel.dense_shard.shard_draft`).
+    fsdp_forward_methods = ("context_latent",)
+
     def __init__(self, config: DSparkDraftConfig) -> None:
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
@@ -74,6 +78,20 @@ class DSparkDecoderLayer(nn.Module):
 
     def forward(
         self,
+        xs: list[torch.Tensor],
+        positions: list[torch.Tensor],
+        allowed: list[torch.Tensor],
+        context: tuple[torch.Tensor, torch.Tensor],
+        kv_form: str,
+        core: str,
+    ) -> list[torch.Tensor]:
+        """The layer over every anchor chunk of a call at once (an FSDP2-sharded layer is then gathered once for all
+        of them, not once per chunk): chunk i is ``xs[i] [B,S,H]`` at ``positions[i] [B,S]`` with ``allowed[i]
+        [B,1,S,T+S]``; ``context`` = this layer's context latent and rotated ``k_pe``."""
+        return [self.block(x, p, context, a, kv_form, core) for x, p, a in zip(xs, positions, allowed, strict=True)]
+
+    def block(
+        self,
         x: torch.Tensor,
         positions: torch.Tensor,
         context: tuple[torch.Tensor, torch.Tensor],
@@ -81,9 +99,8 @@ class DSparkDecoderLayer(nn.Module):
         kv_form: str,
         core: str,
     ) -> torch.Tensor:
-        """``x [B,S,H]`` block states at ``positions [B,S]``; ``context`` = this layer's context latent and rotated
-        ``k_pe``; ``allowed [B,1,S,T+S]`` boolean; ``kv_form`` / ``core``: :mod:`~lightning_eagle.draft.
-        dspark_attention`."""
+        """One chunk: ``x [B,S,H]`` block states at ``positions [B,S]``; ``allowed [B,1,S,T+S]`` boolean;
+        ``kv_form`` / ``core``: :mod:`~lightning_eagle.draft.dspark_attention`."""
         attn = self.self_attn
         h = self.input_layernorm(x)
         q = attn.project_query(h, positions)
@@ -95,6 +112,8 @@ class DSparkDecoderLayer(nn.Module):
 
 class MarkovHead(nn.Module):
     """DSpark's vanilla sequential head: ``bias(x_prev) = markov_w2(markov_w1[x_prev])``, rank r."""
+
+    fsdp_forward_methods = ("embed", "bias")  # it has no forward: these are its calls (DSparkDecoderLayer's note)
 
     def __init__(self, vocab_size: int, rank: int) -> None:
         super().__init__()
@@ -140,9 +159,9 @@ class DSparkDrafter(nn.Module):
     ``mla_backend`` (:data:`~lightning_eagle.ops.mla.MLA_BACKEND`: ``auto`` = ``sdpa``, or ``eager``) picks the
     attention core, ``kv_form`` (``latent``, or the ``expanded`` twin: :mod:`~lightning_eagle.draft.dspark_attention`)
     the form of the keys; ``block_chunk`` (None: all anchors at once) how many anchors one attention call takes;
-    ``activation_checkpointing`` keeps only each chunk's inputs through the forward and recomputes its layers in the
-    backward (a long row's ``A·g`` block rows would otherwise keep every layer's activations, the context-length
-    ``[context ; block]`` keys and mask of every chunk included)."""
+    ``activation_checkpointing`` keeps only each layer's input through the forward and recomputes the layer (over all
+    chunks) in the backward (a long row's ``A·g`` block rows would otherwise keep every layer's activations, the
+    context-length ``[context ; block]`` keys of every chunk included)."""
 
     mla_backend = BackendSetting(MLA_BACKEND)
 
@@ -171,6 +190,16 @@ class DSparkDrafter(nn.Module):
         self.final_norm = K3RMSNorm(H, eps=eps)
         self.markov_head = MarkovHead(config.vocab_size, config.markov_rank)
         self.confidence_head = ConfidenceHead(H + config.markov_rank) if config.enable_confidence_head else None
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """What ``model.draft.shard`` makes FSDP2 units: ``context_proj``, ``context_norm``, each decoder layer,
+        ``final_norm``, the Markov head and the confidence head (:meth:`head_units`: what the objective reads as whole
+        weights, outside any of their calls)."""
+        return [self.context_proj, self.context_norm, *self.layers, self.final_norm, *self.head_units()]
+
+    def head_units(self) -> list[nn.Module]:
+        """The Markov head and the confidence head (when there is one)."""
+        return [self.markov_head] + ([] if self.confidence_head is None else [self.confidence_head])
 
     # ---- context -----------------------------------------------------------------------------------------------
     def context_kv(self, context_features: torch.Tensor, positions: torch.Tensor) -> ContextKV:
@@ -204,23 +233,36 @@ class DSparkDrafter(nn.Module):
         return embed(ids)
 
     def run_blocks(
-        self, x: torch.Tensor, anchors: torch.Tensor, context: ContextKV, context_positions: torch.Tensor
+        self,
+        x: torch.Tensor,
+        anchors: torch.Tensor,
+        context: ContextKV,
+        context_positions: torch.Tensor,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         """The N layers and ``final_norm`` over the blocks ``x [B,a,g,H]`` of ``anchors [B,a]`` against the context
-        latents ``context`` at ``context_positions [T]`` (or ``[B,T]``), all anchors in one attention call."""
+        latents ``context`` at ``context_positions [T]`` (or ``[B,T]``), ``chunk`` anchors per attention call (None:
+        all at once; each block depends only on the context and itself). Layer by layer, each over every chunk."""
         B, a, g, H = x.shape
+        chunk = a if chunk is None else chunk
         slot = torch.arange(g, device=x.device)
-        positions = (anchors[..., None] + slot).reshape(B, a * g)
         ctx_pos = context_positions.expand(B, -1) if context_positions.dim() == 1 else context_positions
-        sees_context = ctx_pos[:, None, :] < anchors.repeat_interleave(g, dim=1)[:, :, None]  # [B, a·g, T]
-        block_of = torch.arange(a, device=x.device).repeat_interleave(g)
-        own_block = (block_of[:, None] == block_of[None, :]).expand(B, -1, -1)  # [B, a·g, a·g]
-        allowed = torch.cat([sees_context, own_block], dim=-1)[:, None]
+        hs, positions, allowed = [], [], []
+        for start in range(0, a, chunk):
+            part = anchors[:, start : start + chunk]
+            n = part.shape[1]
+            positions.append((part[..., None] + slot).reshape(B, n * g))
+            sees_context = ctx_pos[:, None, :] < part.repeat_interleave(g, dim=1)[:, :, None]  # [B, n·g, T]
+            block_of = torch.arange(n, device=x.device).repeat_interleave(g)
+            own_block = (block_of[:, None] == block_of[None, :]).expand(B, -1, -1)  # [B, n·g, n·g]
+            allowed.append(torch.cat([sees_context, own_block], dim=-1)[:, None])
+            hs.append(x[:, start : start + chunk].reshape(B, n * g, H))
         core, kv_form = MLA_BACKEND.resolve(self.mla_backend, x.device), check_kv_form(self.kv_form)
-        h = x.reshape(B, a * g, H)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for layer, layer_context in zip(self.layers, context, strict=True):
-            h = layer(h, positions, layer_context, allowed, kv_form, core)
-        return self.final_norm(h).view(B, a, g, H)
+            args = (hs, positions, allowed, layer_context, kv_form, core)
+            hs = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
+        return self.final_norm(torch.cat(hs, dim=1)).view(B, a, g, H)
 
     def forward(
         self,
@@ -232,8 +274,9 @@ class DSparkDrafter(nn.Module):
     ) -> torch.Tensor:
         """Training forward: ``context_features [B,T,n_taps·H_t]``, ``input_ids [B,T]``, ``anchors [B,A]`` (positions),
         ``keep [B,A]`` bool (real anchors), ``embed`` the frozen target embedding → the slot states after
-        ``final_norm``, ``[B,A,g,H]`` (zero for ``keep`` false). Anchors go through the layers ``block_chunk`` at a
-        time (each block depends only on the context and itself), so no ``[A·g, T]`` mask exists at once."""
+        ``final_norm``, ``[B,A,g,H]`` (zero for ``keep`` false). Each attention call takes ``block_chunk`` anchors (each
+        block depends only on the context and itself), so no ``[A·g, T + A·g]`` scores exist at once; each layer runs
+        once over all chunks (an FSDP2-sharded layer is gathered once for them, not once per chunk)."""
         B, T = input_ids.shape
         if context_features.shape[:2] != (B, T):
             raise ValueError(
@@ -247,16 +290,9 @@ class DSparkDrafter(nn.Module):
             raise ValueError(f"anchors must be positions in [0, {T}), got values in [{anchors.min()}, {anchors.max()}]")
         positions = torch.arange(T, device=input_ids.device)
         context = self.context_kv(context_features, positions)
-        x = self.block_inputs(input_ids, anchors, embed)
-        A = anchors.shape[1]
-        chunk = A if self.block_chunk is None else self.block_chunk
-        recompute = self.activation_checkpointing and torch.is_grad_enabled()
-        chunks = [(x[:, s : s + chunk], anchors[:, s : s + chunk], context, positions) for s in range(0, A, chunk)]
-        outs = [
-            checkpoint(self.run_blocks, *args, use_reentrant=False) if recompute else self.run_blocks(*args)
-            for args in chunks
-        ]
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        out = self.run_blocks(
+            self.block_inputs(input_ids, anchors, embed), anchors, context, positions, self.block_chunk
+        )
         return out * keep[:, :, None, None].to(out.dtype)
 
     # ---- heads -------------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ one-based aux ids). The engines feed that draft the target's *prefix* aux stream
 
 Sources: a :class:`KimiK3Eagle3Draft`, anything with a ``.draft`` attribute (the Lightning module), a ``torch.save``'d
 checkpoint file (``{"state_dict": {"draft.…": …}, CHECKPOINT_CONFIG_KEY: config dict, …}``), or a DCP checkpoint
-folder (converted single-process with ``dcp_to_torch_save``, the way ``lightning_notes.md`` §7 verified). The write is
+folder (converted single-process with ``dcp_to_torch_save``, the way ``lightning_notes.md`` §7 verified, with the
+run's record from Lightning's ``meta.pt``: :func:`load_dcp_checkpoint`). The write is
 atomic: everything goes to a temporary sibling folder that is renamed into place only after every check passed.
 """
 
@@ -112,15 +113,22 @@ def _resolve_source(source: Any, config: Eagle3DraftConfig | None) -> tuple[dict
         return _from_checkpoint_dict(source, config)
     path = Path(source)
     if path.is_dir():
-        return _from_checkpoint_dict(_load_dcp(path), config)
+        return _from_checkpoint_dict(load_dcp_checkpoint(path), config)
     if path.is_file():
         return _from_checkpoint_dict(load_checkpoint_file(path, weights_only=False), config)
     raise FileNotFoundError(f"export source {source!r} is neither a draft module nor an existing checkpoint")
 
 
-def _load_dcp(folder: Path) -> dict:
+LIGHTNING_DCP_RECORD = "meta.pt"  # Lightning's ModelParallelStrategy saves the non-tensor entries here
+
+
+def load_dcp_checkpoint(folder: str | os.PathLike) -> dict:
+    """A DCP checkpoint folder (an FSDP2-sharded draft's run with ``save_distributed_checkpoint``) consolidated into
+    one checkpoint dict (single process, ``dcp_to_torch_save``), with Lightning's record of the run (``meta.pt``:
+    the draft config, target fingerprint, …) when the folder has it."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    folder = Path(folder)
     if not (folder / ".metadata").is_file():
         raise CheckpointLoadError(f"export source {str(folder)!r} is a folder but not a sharded checkpoint (no "
                                   f".metadata): {_what_folder_is(folder)}")  # fmt: skip
@@ -130,7 +138,11 @@ def _load_dcp(folder: Path) -> dict:
             dcp_to_torch_save(str(folder), str(target))
         except (AssertionError, RuntimeError, OSError, ValueError, EOFError) as exc:
             raise CheckpointLoadError(f"sharded checkpoint {str(folder)!r} cannot be read: {exc}") from exc
-        return torch.load(target, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(target, map_location="cpu", weights_only=False)
+    record = folder / LIGHTNING_DCP_RECORD
+    if record.is_file():
+        checkpoint = {**torch.load(record, map_location="cpu", weights_only=False), **checkpoint}
+    return checkpoint
 
 
 def _what_folder_is(folder: Path) -> str:

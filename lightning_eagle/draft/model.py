@@ -318,6 +318,12 @@ class KimiK3Eagle3Draft(nn.Module):
         """``lm_head(norm(h))`` over the draft vocabulary (``lm_head(h)`` with ``norm_output``)."""
         return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """What ``model.draft.shard`` makes FSDP2 units (each gathered for its forward and backward): ``fc`` (+ each
+        ``fc_norm``), the decoder layer, the final norm and ``lm_head``. The frozen embedding stays replicated (no
+        gradient, no optimizer state; every rank looks tokens up locally)."""
+        return [self.fc, *(getattr(self, "fc_norm", None) or []), self.midlayer, self.norm, self.lm_head]
+
     # ---- embeddings and vocabulary map ------------------------------------------------------------------------------
     def freeze_embeddings(self) -> None:
         self.embed_tokens.weight.requires_grad_(False)

@@ -15,20 +15,28 @@ root-level weights (final norm, the AttnRes output mixer; a few ``H``-vectors) s
 ``lm_head.weight`` is also read directly by the chunked teacher; :func:`gathered_weight` gathers it for that use.
 The loader (``KimiK3ForCausalLM.from_pretrained(..., dense_mesh=mesh)``) shards the meta-device model *before*
 materialising it and reads only each rank's rows of every dense tensor from the safetensors files.
+
+The trained draft (``model.draft.shard``, either family) is sharded the same way over the units it names
+(:func:`shard_draft`), with gradients; :func:`with_full_parameters` serves weights read outside any unit call (the
+DSpark objective's heads), :func:`full_state_dict` the whole tensors of an export.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 from lightning_eagle.k3.experts import RoutedExperts
+
+T = TypeVar("T")
 
 
 def dense_units(model: nn.Module) -> list[nn.Module]:
@@ -51,15 +59,53 @@ def shard_dense_weights(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 
 def shard_draft(draft: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """FSDP2 over all ranks for the draft's trained parameters (``draft_shard``): ``fc`` (+ ``fc_norm``), the
-    decoder layer, the final norm and ``lm_head`` are units, each gathered for its forward and its backward; gradients
-    are reduce-scattered (averaged over the world) and AdamW states live only for each rank's shard. The frozen
-    embedding stays replicated (no gradient, no optimizer state; every rank looks tokens up locally)."""
-    units = [draft.fc, draft.midlayer, draft.norm, draft.lm_head]
-    units += list(getattr(draft, "fc_norm", None) or [])
-    for unit in units:
+    """FSDP2 over all ranks for a draft's trained parameters (``model.draft.shard``): every unit the draft names
+    (``draft.fsdp_units()``: EAGLE-3's ``fc``, layer, norm, ``lm_head``; DSpark's context projection, layers, final
+    norm and heads) is gathered for its forward and its backward; gradients are reduce-scattered (averaged over the
+    world) and AdamW states live only for each rank's shard. A unit's other weight-reading methods (its class's
+    ``fsdp_forward_methods``) gather like its forward, and :func:`with_full_parameters` runs any computation over
+    whole weights of units."""
+    for unit in draft.fsdp_units():
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+        setattr(unit, _FULL_CALL, _call)  # a plain instance function: FSDP wraps it with its forward hooks below
+        for name in (*getattr(type(unit), "fsdp_forward_methods", ()), _FULL_CALL):
+            register_fsdp_forward_method(unit, name)
     return draft
+
+
+_FULL_CALL = "call_with_full_parameters"
+
+
+def _call(fn: Callable[..., T], *inputs: Any) -> T:
+    return fn(*inputs)
+
+
+def with_full_parameters(units: Sequence[nn.Module], fn: Callable[..., T], *inputs: torch.Tensor) -> T:
+    """``fn(*inputs)`` with the whole parameters of every unit in ``units``, as if ``fn`` were their forward: an
+    FSDP2 unit (made by :func:`shard_draft`) is gathered before ``fn``, freed after it, gathered again for its backward
+    and its gradients reduce-scattered after that. For a computation that reads units' weights directly, outside any
+    of their calls (a fused loss handed ``head.weight``). ``inputs``: ``fn``'s differentiable inputs (their gradients
+    tell FSDP the units' backward is done); ``fn`` returns tensors, or a tuple / list / dict of them (what FSDP hooks
+    the backward gather on). Units that are not sharded are used as they are."""
+    sharded = [unit for unit in units if isinstance(unit, FSDPModule)]
+    missing = [type(unit).__name__ for unit in sharded if not hasattr(unit, _FULL_CALL)]
+    if missing:
+        raise ValueError(f"with_full_parameters: {missing} were FSDP-sharded without shard_draft (no {_FULL_CALL})")
+
+    def nested(remaining: list[nn.Module], *args: Any) -> T:
+        if not remaining:
+            return fn(*args)
+        return getattr(remaining[0], _FULL_CALL)(functools.partial(nested, remaining[1:]), *args)
+
+    return nested(sharded, *inputs)
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every FSDP2 shard gathered into whole CPU tensors, on rank 0 (other ranks get
+    ``{}``). A collective: every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:

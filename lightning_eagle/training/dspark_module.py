@@ -35,8 +35,9 @@ from lightning_eagle.draft.materialize import build_on_meta, materialize
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.k3.config import KimiK3TextConfig
 from lightning_eagle.k3.target_spec import TargetSpec
-from lightning_eagle.parallel.dense_shard import is_sharded
+from lightning_eagle.parallel.dense_shard import is_sharded, shard_draft, with_full_parameters
 from lightning_eagle.parallel.frozen_target import root_device
+from lightning_eagle.parallel.layout import draft_mesh
 from lightning_eagle.run_settings import (
     DSPARK_MODEL_GROUPS,
     DSparkDraftSettings,
@@ -52,6 +53,7 @@ from lightning_eagle.training.dspark_objective import (
     DSparkCoefficients,
     DSparkHeads,
     DSparkLoss,
+    DSparkRows,
     dspark_loss_chunked,
     dspark_loss_plain,
     global_slot_weight,
@@ -143,7 +145,8 @@ class DSparkModule(DraftTrainingModule):
 
     @override
     def configure_model(self) -> None:
-        """Build the target source and the drafter; initial values depend only on (init_seed, parameter name)."""
+        """Build the target source and the drafter (FSDP2-sharded over all ranks with ``model.draft.shard``); initial
+        values depend only on (init_seed, parameter name)."""
         if self.draft is not None:  # called once per stage (fit/validate/…): idempotent
             return
         device, settings = root_device(self), self.draft_settings
@@ -153,6 +156,8 @@ class DSparkModule(DraftTrainingModule):
         self._embedding = weight.to(dtype=DTYPES[settings.dtype])
         draft = build_on_meta(self._build_draft)
         self.draft = materialize(draft, device, DTYPES[settings.dtype], settings.init_seed)
+        if settings.shard:  # after the init: every rank starts from the same whole drafter, then keeps its shard
+            shard_draft(self.draft, draft_mesh(self._trainer))
 
     def refuse_unsupported_run(self, stage: str) -> None:
         refuse_unsupported_dspark_run(self, stage)
@@ -178,20 +183,32 @@ class DSparkModule(DraftTrainingModule):
         with self.source.full_lm_head(lm_head_weight) as head:
             # a gathered (dense-sharded) head is freed when the block ends; the backward needs it: keep a copy
             head = head if head is lm_head_weight else head.detach().clone()
-        heads = DSparkHeads(
-            lm_head_weight=head.detach().to(dtype), markov_w1=self.draft.markov_head.markov_w1.weight,
-            markov_w2=self.draft.markov_head.markov_w2.weight,
-            confidence_weight=None if self.draft.confidence_head is None else self.draft.confidence_head.proj.weight,
-            confidence_bias=None if self.draft.confidence_head is None else self.draft.confidence_head.proj.bias,
-            teacher_head_weight=head.detach(),
-        )  # fmt: skip
+        return self._objective(rows, head.detach(), normalizer), blocks, keep
+
+    def _objective(self, rows: DSparkRows, head: torch.Tensor, normalizer: torch.Tensor) -> DSparkLoss:
+        """The block objective of ``rows`` with the target's ``head``. It reads the drafter's head weights outside
+        any of their calls, so it runs as their forward (:func:`~lightning_eagle.parallel.dense_shard.
+        with_full_parameters`): an FSDP2-sharded drafter gathers them for it and for its backward."""
+        draft, dtype = self.draft, self._embedding.dtype  # the drafter's
         options = dict(coefficients=self.coefficients, normalizer=normalizer, world_size=self.trainer.world_size
                        if self._trainer is not None else 1)  # fmt: skip
-        if LOSS_BACKEND.resolve(self.objective.loss_backend, input_ids.device) == "chunked":
-            loss = dspark_loss_chunked(rows, heads, chunk=self.objective.loss_chunk, **options)
-        else:
-            loss = dspark_loss_plain(rows, heads, **options)
-        return loss, blocks, keep
+        chunked = LOSS_BACKEND.resolve(self.objective.loss_backend, rows.hidden.device) == "chunked"
+
+        def objective(hidden: torch.Tensor) -> tuple[torch.Tensor, DSparkLoss]:
+            markov, confidence = draft.markov_head, draft.confidence_head
+            heads = DSparkHeads(
+                lm_head_weight=head.to(dtype), markov_w1=markov.markov_w1.weight, markov_w2=markov.markov_w2.weight,
+                confidence_weight=None if confidence is None else confidence.proj.weight,
+                confidence_bias=None if confidence is None else confidence.proj.bias, teacher_head_weight=head,
+            )  # fmt: skip
+            rows_here = dataclasses.replace(rows, hidden=hidden)
+            if chunked:
+                loss = dspark_loss_chunked(rows_here, heads, chunk=self.objective.loss_chunk, **options)
+            else:
+                loss = dspark_loss_plain(rows_here, heads, **options)
+            return loss.loss, loss  # the differentiable output on top, where FSDP hooks the heads' backward gather
+
+        return with_full_parameters(draft.head_units(), objective, rows.hidden)[1]
 
     def _log_terms(self, prefix: str, loss: DSparkLoss, batch_size: int, on_step: bool) -> None:
         options = dict(on_step=on_step, on_epoch=not on_step, batch_size=batch_size, sync_dist=not on_step)

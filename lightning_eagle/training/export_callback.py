@@ -13,13 +13,15 @@ from lightning_eagle.draft.dspark import DSparkDrafter
 from lightning_eagle.draft.dspark_export import dspark_drafter_from_checkpoint, export_dspark_draft
 from lightning_eagle.draft.export import export_draft
 from lightning_eagle.errors import RunError
+from lightning_eagle.parallel.dense_shard import full_state_dict, has_sharded_trainable_parameters
 
 
 class ExportDraftCallback(pl.Callback):
     """At the end of ``fit``, export the best checkpoint's draft (by the ``ModelCheckpoint`` monitor, e.g.
     ``val/tau_sim``) — or the current weights when there is none — to ``out_dir`` (atomic, overwrites).
 
-    ``out_dir=None`` (default) = ``<trainer.default_root_dir>/draft``, so a run's outputs stay together.
+    ``out_dir=None`` (default) = ``<trainer.default_root_dir>/draft``, so a run's outputs stay together. An
+    FSDP2-sharded draft's current weights are gathered whole by every rank first.
     """
 
     def __init__(self, out_dir: str | None = None, use_best: bool = True, dtype: str | None = None) -> None:
@@ -37,22 +39,27 @@ class ExportDraftCallback(pl.Callback):
                 "the run took no optimizer step (trainer.max_steps 0, no training rows, or stopped before the first "
                 "step): there is no trained draft to export; nothing was exported"
             )
-        if not trainer.is_global_zero:
-            return
         source = pl_module
         best = getattr(trainer.checkpoint_callback, "best_model_path", "") if self.use_best else ""
         if best and Path(best).is_file():
             source = best
+        if source is pl_module and has_sharded_trainable_parameters(pl_module):
+            # an FSDP2-sharded draft: its whole tensors, gathered by every rank (a collective), kept by rank 0, in the
+            # form of the checkpoint that would hold them
+            source = {"state_dict": full_state_dict(pl_module), **pl_module.checkpoint_record()}
+        if not trainer.is_global_zero:
+            return
         dtype = getattr(torch, self.dtype) if self.dtype else None
         if isinstance(pl_module.draft, DSparkDrafter):
-            drafter = pl_module.draft if source is pl_module else dspark_drafter_from_checkpoint(
-                load_checkpoint_file(source, weights_only=False)
-            )  # fmt: skip
+            drafter = pl_module.draft
+            if source is not pl_module:
+                checkpoint = source if isinstance(source, dict) else load_checkpoint_file(source, weights_only=False)
+                drafter = dspark_drafter_from_checkpoint(checkpoint)
             path = export_dspark_draft(drafter, self.resolved_out_dir(trainer), dtype=dtype or torch.bfloat16,
                                        overwrite=True)  # fmt: skip
         else:
             path = export_draft(source, self.resolved_out_dir(trainer), dtype=dtype, overwrite=True)
         print(
-            f"exported the draft ({'best checkpoint ' + Path(best).name if source is not pl_module else 'final'}"
+            f"exported the draft ({'best checkpoint ' + Path(best).name if isinstance(source, str) else 'final'}"
             f" weights) to {path}"
         )

@@ -11,10 +11,12 @@ import pytest
 import torch
 from eagle_helpers import eagle_module
 from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
 
 from lightning_eagle.data import ChatDataModule
 from lightning_eagle.parallel.dense_shard import is_sharded
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
+from lightning_eagle.training.export_callback import ExportDraftCallback
 
 pytestmark = pytest.mark.multiprocess
 
@@ -53,7 +55,7 @@ def _fit(golden_dir, out: Path, devices: int, shard: bool, max_steps: int = STEP
         accelerator="cpu", devices=devices, max_steps=max_steps, limit_val_batches=0, num_sanity_val_steps=0,
         strategy=ExpertParallelStrategy(expert_parallel_size=devices, start_method="fork"), logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out),
-        callbacks=[Sharding(out), every_step],
+        callbacks=[Sharding(out), every_step, ExportDraftCallback(out_dir=str(out / "draft"), use_best=False)],
     )  # fmt: skip
     trainer.fit(module, ChatDataModule(**DATA), ckpt_path=ckpt_path)
 
@@ -84,6 +86,14 @@ def test_sharded_draft_trains_like_the_replicated_one(runs):
         for name in sharded:  # the checkpoint holds full tensors, whichever layout wrote it
             assert not is_sharded(sharded[name])
             torch.testing.assert_close(sharded[name], replicated[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_sharded_drafts_fit_end_export_is_the_replicated_ones(runs):
+    # the callback exports the current weights: a sharded draft's are gathered whole by every rank first
+    sharded, replicated = (load_file(str(runs / n / "draft" / "model.safetensors")) for n in ("sharded", "replicated"))
+    assert sharded.keys() == replicated.keys() and sharded
+    for name in sharded:
+        torch.testing.assert_close(sharded[name], replicated[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_sharded_checkpoint_resumes_to_the_uninterrupted_state(runs):

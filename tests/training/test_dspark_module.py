@@ -41,6 +41,7 @@ TINY_DRAFT = DSparkDraftSettings(preset="k3-tiny")
         (lambda: DSparkDraftSettings(block_chunk=0), "model.draft.block_chunk must be a positive int"),
         (lambda: DSparkDraftSettings(kv_form="paged"), "model.draft.kv_form must be one of 'latent', 'expanded'"),
         (lambda: DSparkDraftSettings(dtype="float8"), "model.draft.dtype must be one of"),
+        (lambda: DSparkDraftSettings(shard="yes"), "model.draft.shard must be true or false"),
         (lambda: DSparkDraftSettings(config={"target_layer_ids": [1]}), "set model.target.aux_layer_ids instead"),
         (lambda: DSparkDraftSettings(config={"vocab_size": 8}), "model.draft.config.vocab_size: set the target's"),
     ],
