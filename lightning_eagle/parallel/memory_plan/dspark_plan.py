@@ -49,7 +49,7 @@ def dspark_terms(inputs: PlanInputs, target: TargetShapes, draft: DraftShapes) -
         terms.append(Term(blocks, "lm_head copy", head, "the objective's whole [V,H_t] through the backward"))
     settings = inputs.draft_settings
     A = min(inputs.objective.num_anchors, inputs.seq_len)
-    ckpt = "recomputed per chunk" if settings.activation_checkpointing else "every layer's activations kept"
+    ckpt = "recomputed per layer" if settings.activation_checkpointing else "every layer's activations kept"
     terms += [
         Term(blocks, "drafter activations kept for the backward", census.kept_after_forward,
              f"{A} anchors x g={inputs.draft.block_size} per row, {settings.block_chunk} per attention call, {ckpt}, "
