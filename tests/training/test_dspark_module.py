@@ -239,10 +239,10 @@ def test_the_real_k3_dspark_config_parses_and_the_plan_reads_it(capsys):
     assert model["init_args"]["target"]["aux_layer_ids"] == [1, 23, 45, 67, 89]
     assert model["init_args"]["draft"]["preset"] == "k3" and model["init_args"]["objective"]["num_anchors"] == 512
     assert printed["trainer"]["strategy"]["class_path"].endswith("ExpertParallelStrategy")
-    with pytest.raises(SystemExit) as ended:  # the verdict itself: tests/parallel/test_parallel_memory_plan_dspark.py
-        main(["memory-plan", "--config", "kimi_k3_dspark", "--gpu-gb", "80", "--target-config", "k3"])
+    # exit status 0 (no SystemExit); the verdict itself: tests/parallel/test_parallel_memory_plan_dspark.py
+    main(["memory-plan", "--config", "kimi_k3_dspark", "--gpu-gb", "80", "--target-config", "k3"])
     out = capsys.readouterr().out
-    assert ended.value.code == 0 and "DSpark 5 layers, block 7, 512 anchors per row" in out
+    assert "DSpark 5 layers, block 7, 512 anchors per row" in out
     assert out.strip().splitlines()[-1].startswith(("fits: ", "does not fit: "))
 
 
