@@ -370,10 +370,11 @@ def test_sequence_parallel_kept_matches_a_census_of_two_ranks(case):
     ],
 )
 def test_sequence_parallel_peak_matches_a_census_of_two_ranks(case):
-    """Each rank's unroll peak (forward + backward) against the plan's, within the meta census's 3 % plus 1 %: the
-    measured peak is not the same in every process (sp2-flash-chunked, same code and seed: 7.485 MB run alone, 7.526
-    MB once in a full-suite run, plan 7.284 MB; not explained yet; gloo's send buffers, freed when its worker thread
-    finishes, are a candidate)."""
+    """Each rank's unroll peak (forward + backward) against the plan's, within the meta census's 3 % (sp2-flash-chunked:
+    4 %; its measured peak is not the same in every process, same code and seed: 7.485 MB run alone, 7.526 MB once in
+    a full-suite run, plan 7.284 MB; not explained yet, gloo's send buffers freed when its worker thread finishes are
+    a candidate)."""
     plan, ranks = sp_census(case)
+    rel = 0.04 if case == "sp2-flash-chunked" else 0.03
     for rank, (_, peak) in enumerate(ranks):
-        assert plan.peak == pytest.approx(peak, rel=0.04), (rank, plan.where)
+        assert plan.peak == pytest.approx(peak, rel=rel), (rank, plan.where)
