@@ -227,8 +227,7 @@ def test_a_bad_dspark_option_is_one_error_line_naming_it(tmp_path, capsys, optio
     assert "Traceback" not in err and len([line for line in err.splitlines() if line.startswith("error:")]) == 1
 
 
-@pytest.mark.slow  # the plan counts the step at 64K tokens on meta (~30 s)
-def test_the_real_k3_dspark_config_parses_and_the_plan_reads_it(capsys):
+def test_the_real_k3_dspark_config_parses(capsys):
     from lightning_eagle.commands.cli import main
 
     with pytest.raises(SystemExit):
@@ -239,11 +238,7 @@ def test_the_real_k3_dspark_config_parses_and_the_plan_reads_it(capsys):
     assert model["init_args"]["target"]["aux_layer_ids"] == [1, 23, 45, 67, 89]
     assert model["init_args"]["draft"]["preset"] == "k3" and model["init_args"]["objective"]["num_anchors"] == 512
     assert printed["trainer"]["strategy"]["class_path"].endswith("ExpertParallelStrategy")
-    # exit status 0 (no SystemExit); the verdict itself: tests/parallel/test_parallel_memory_plan_dspark.py
-    main(["memory-plan", "--config", "kimi_k3_dspark", "--gpu-gb", "80", "--target-config", "k3"])
-    out = capsys.readouterr().out
-    assert "DSpark 5 layers, block 7, 512 anchors per row" in out
-    assert out.strip().splitlines()[-1].startswith(("fits: ", "does not fit: "))
+    # its memory plan: tests/parallel/test_parallel_memory_plan_dspark.py
 
 
 def test_the_acceptance_callback_measures_a_dspark_run_with_block_decoding(tmp_path):
