@@ -13,6 +13,7 @@ code taking typed inputs) is :mod:`lightning_eagle.parallel.memory_plan`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import re
 import sys
@@ -26,7 +27,6 @@ from lightning_eagle.commands.arguments import CommandParser, RunParser
 from lightning_eagle.commands.cli import Eagle3CLI, refuse_flat_settings, run_classes
 from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.draft.config import Eagle3DraftConfig
-from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.k3.config import KimiK3TextConfig
 from lightning_eagle.k3.target_spec import TargetSpec
 from lightning_eagle.parallel.layout import LAYOUT_SETTINGS, ParallelLayout
@@ -238,7 +238,7 @@ def run_config_from_yaml(
         dspark = is_dspark_class_path(model.class_path)
         model = model.init_args
         if dspark:
-            return _dspark_run_config(trainer, model, data, target_config, world, ep, shard_dense, device,
+            return _dspark_run_config(trainer, model, config.data, target_config, world, ep, shard_dense, device,
                                       reserve_gb, moe_load_factor)  # fmt: skip
     target = _settings(model, "target")
     draft_settings = _settings(model, "draft")
@@ -249,9 +249,7 @@ def run_config_from_yaml(
     except ValueError as err:
         raise PlanConfigError("model.target", str(err)) from None
     nodes, gpus, layout = _layout(trainer, world, ep, shard_dense, spec.num_experts)
-    for key in ("batch_size", "max_length"):
-        if key not in data:
-            raise PlanConfigError("data", f"{config.data.class_path} has no {key}: the plan needs it")
+    micro_batch = _micro_batch(config.data)
     try:  # as Eagle3Module builds it
         draft = Eagle3DraftConfig.from_target_config(
             spec.config, **draft_settings.config, draft_vocab_size=data.get("draft_vocab_size"),
@@ -259,51 +257,62 @@ def run_config_from_yaml(
         )  # fmt: skip
     except (TypeError, ValueError) as err:
         raise PlanConfigError("model.draft.config", str(err)) from None
+    inputs = _plan_inputs(
+        spec, draft, (target, draft_settings, objective), layout, trainer, micro_batch,
+        device=device, moe_load_factor=moe_load_factor, reserve_bytes=int(reserve_gb * GB),
+    )  # fmt: skip
+    return RunConfig(inputs, gpus, nodes, notices, label)
+
+
+def _micro_batch(data: Namespace) -> tuple[int, int]:
+    """``(batch_size, max_length)`` of the data module: the plan's micro-batch."""
+    for key in ("batch_size", "max_length"):
+        if key not in data.init_args:
+            raise PlanConfigError("data", f"{data.class_path} has no {key}: the plan needs it")
+    return (_positive_int(data.init_args.batch_size, "data.batch_size"),
+            _positive_int(data.init_args.max_length, "data.max_length"))  # fmt: skip
+
+
+def _plan_inputs(spec, draft, groups, layout, trainer, micro_batch, **assumptions) -> PlanInputs:
+    """:meth:`PlanInputs.for_target` of a run's ``(target, draft, objective)`` settings ``groups``; the inputs' own
+    checks (the run settings', the layout's) become a :class:`PlanConfigError` (their messages name the setting)."""
+    target, draft_settings, objective = groups
     try:
-        inputs = PlanInputs.for_target(
+        return PlanInputs.for_target(
             spec, draft, target, layout=layout, draft_settings=draft_settings, objective=objective,
-            batch_size=_positive_int(data.batch_size, "data.batch_size"),
-            seq_len=_positive_int(data.max_length, "data.max_length"),
+            batch_size=micro_batch[0], seq_len=micro_batch[1],
             accumulate_grad_batches=_positive_int(trainer.accumulate_grad_batches, "trainer.accumulate_grad_batches"),
-            device=device, moe_load_factor=moe_load_factor, reserve_bytes=int(reserve_gb * GB),
+            **assumptions,
         )  # fmt: skip
     except PlanConfigError:
         raise
-    except ValueError as err:  # the run settings' and the layout's own checks: their messages name the setting
+    except ValueError as err:
         raise PlanConfigError(None, str(err)) from None
-    return RunConfig(inputs, gpus, nodes, notices, label)
 
 
 def _dspark_run_config(trainer, model, data, target_config, world, ep, shard_dense, device, reserve_gb,
                        moe_load_factor) -> RunConfig:  # fmt: skip
     """A DSpark run's :class:`PlanInputs`: its settings groups, the drafter config as ``DSparkModule`` builds it, and
-    the census of its drafter step at the planned shapes."""
+    (once the inputs passed their checks) the census of its drafter step at the planned shapes."""
     from lightning_eagle.training.dspark_memory import dspark_step_census
     from lightning_eagle.training.dspark_module import dspark_run_spec
 
-    groups = {name: _settings(model, name, DSPARK_MODEL_GROUPS) for name in ("target", "draft", "objective")}
-    target_config_, folder, label, notices = _target_config(groups["target"].path, target_config)
+    groups = tuple(_settings(model, name, DSPARK_MODEL_GROUPS) for name in ("target", "draft", "objective"))
+    target_config_, folder, label, notices = _target_config(groups[0].path, target_config)
     try:
-        spec, draft = dspark_run_spec(groups["target"], groups["draft"], None if folder else target_config_)
+        spec, draft = dspark_run_spec(groups[0], groups[1], None if folder else target_config_)
     except ValueError as err:
         raise PlanConfigError(None, str(err)) from None
     nodes, gpus, layout = _layout(trainer, world, ep, shard_dense, spec.num_experts)
-    for key in ("batch_size", "max_length"):
-        if key not in data:
-            raise PlanConfigError("data", f"the data module has no {key}: the plan needs it")
-    batch, length = _positive_int(data.batch_size, "data.batch_size"), _positive_int(data.max_length, "data.max_length")
-    try:
-        inputs = PlanInputs.for_target(
-            spec, draft, groups["target"], layout=layout, draft_settings=groups["draft"], objective=groups["objective"],
-            batch_size=batch, seq_len=length,
-            accumulate_grad_batches=_positive_int(trainer.accumulate_grad_batches, "trainer.accumulate_grad_batches"),
-            device=device, moe_load_factor=moe_load_factor, reserve_bytes=int(reserve_gb * GB),
-            draft_step=dspark_step_census(draft, groups["draft"], groups["objective"], batch_size=batch,
-                                          seq_len=length, target_dtype=DTYPES[spec.dtype]),
-        )  # fmt: skip
-    except ValueError as err:
-        raise PlanConfigError(None, str(err)) from None
-    return RunConfig(inputs, gpus, nodes, notices, label)
+    inputs = _plan_inputs(
+        spec, draft, groups, layout, trainer, _micro_batch(data),
+        device=device, moe_load_factor=moe_load_factor, reserve_bytes=int(reserve_gb * GB),
+    )  # fmt: skip
+    census = dspark_step_census(
+        draft, inputs.draft_settings, inputs.objective, batch_size=inputs.batch_size, seq_len=inputs.seq_len,
+        target_dtype=inputs.target_dtype,
+    )  # fmt: skip
+    return RunConfig(dataclasses.replace(inputs, draft_step=census), gpus, nodes, notices, label)
 
 
 # ---- the command line ------------------------------------------------------------------------------------------------

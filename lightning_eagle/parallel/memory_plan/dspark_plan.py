@@ -31,6 +31,8 @@ def dspark_terms(inputs: PlanInputs, target: TargetShapes, draft: DraftShapes) -
     """The DSpark-only terms: the whole embedding the block inputs read (resident), the teacher head and draft
     blocks phases."""
     census = inputs.draft_step
+    if census is None:
+        raise ValueError("a DSpark plan needs the census of its drafter step (PlanInputs.draft_step)")
     V, H_t, st, s = inputs.target.vocab_size, inputs.target.hidden_size, inputs.target_dtype, inputs.draft_dtype
     terms = []
     if inputs.dense_sharded or st != s:  # the module's own whole copy; else it is the target's tensor itself

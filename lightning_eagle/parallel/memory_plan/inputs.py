@@ -79,16 +79,18 @@ class PlanInputs:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.family == "dspark":
             self._check_dspark()
-            return
-        check_draft_sequence_parallel(
-            self.draft_sp, num_attention_heads=self.draft.num_attention_heads, draft=self.draft_settings,
-            target_source=self.target_settings.source,
-        )  # fmt: skip
+        else:
+            check_draft_sequence_parallel(
+                self.draft_sp, num_attention_heads=self.draft.num_attention_heads, draft=self.draft_settings,
+                target_source=self.target_settings.source,
+            )  # fmt: skip
         if self.target_settings.source != "online":
             raise ValueError(
                 f"model.target.source={self.target_settings.source!r} is not modelled by the memory plan (only "
                 "'online': a run from dumped features holds no target)"
             )
+        if self.family == "dspark":
+            return
         unmodelled = {"architecture": "k3", "fc_norm": False, "norm_output": False}
         for name, value in unmodelled.items():
             if getattr(self.draft, name) != value:
@@ -97,8 +99,6 @@ class PlanInputs:
                 )
 
     def _check_dspark(self) -> None:
-        if self.draft_step is None:
-            raise ValueError("a DSpark plan needs the census of its drafter step (PlanInputs.draft_step)")
         if self.draft_sp != 1:
             raise ValueError(
                 f"trainer.strategy.init_args.draft_sequence_parallel_size={self.draft_sp}: a DSpark draft has no "
@@ -106,11 +106,6 @@ class PlanInputs:
             )
         if self.device != "cuda":
             raise ValueError(f"--device {self.device}: the DSpark plan counts CUDA's attention kernel only")
-        if self.target_settings.source != "online":
-            raise ValueError(
-                f"model.target.source={self.target_settings.source!r} is not modelled by the memory plan (only "
-                "'online': a run from dumped features holds no target)"
-            )
 
     @property
     def family(self) -> str:
@@ -162,7 +157,7 @@ class PlanInputs:
 
     @property
     def draft_shard(self) -> bool:
-        return getattr(self.draft_settings, "shard", False)
+        return self.draft_settings.shard
 
     @property
     def activation_checkpointing(self) -> bool:
