@@ -34,14 +34,8 @@ from lightning_eagle.parallel.memory_plan.census import (
 )
 from lightning_eagle.run_settings import DSparkDraftSettings, DSparkObjectiveSettings
 from lightning_eagle.training.dspark_anchors import block_targets
-from lightning_eagle.training.dspark_objective import (
-    DSparkCoefficients,
-    DSparkHeads,
-    dspark_loss_chunked,
-    dspark_loss_plain,
-    slot_weights,
-    supervised_rows,
-)
+from lightning_eagle.training.dspark_module import block_objective
+from lightning_eagle.training.dspark_objective import DSparkCoefficients, slot_weights, supervised_rows
 
 
 @contextlib.contextmanager
@@ -102,25 +96,16 @@ def dspark_step_census(
     inputs += [t for t in vars(blocks).values() if isinstance(t, torch.Tensor)]
     weights = [*drafter.parameters(), *(p.grad for p in drafter.parameters())]
     mode = LiveBytes(storages([*inputs, *weights]))
-    coefficients = DSparkCoefficients(objective.ce, objective.l1, objective.confidence, objective.slot_decay)
-    confidence = drafter.confidence_head
-    backend = LOSS_BACKEND.resolve(objective.loss_backend, "cuda")
+    coefficients = DSparkCoefficients.of(objective)
     meta = device == "meta"
     with _meta_nonzero_is_all(), meta_autocast_as_cpu(), cuda_attention_on_meta() if meta else nullcontext(), mode:
         slot_hidden = drafter(context.to(dtype), input_ids, anchors, keep, lambda ids: F.embedding(ids, embedding))
         rows = supervised_rows(blocks, slot_hidden, final_hidden)
         normalizer = slot_weights(rows.slots, rows.block_size, coefficients.slot_decay).sum()
-        heads = DSparkHeads(
-            lm_head_weight=lm_head.to(dtype), markov_w1=drafter.markov_head.markov_w1.weight,
-            markov_w2=drafter.markov_head.markov_w2.weight,
-            confidence_weight=None if confidence is None else confidence.proj.weight,
-            confidence_bias=None if confidence is None else confidence.proj.bias, teacher_head_weight=lm_head,
+        loss = block_objective(
+            drafter, rows, lm_head, dtype, loss_backend=LOSS_BACKEND.resolve(objective.loss_backend, "cuda"),
+            loss_chunk=objective.loss_chunk, coefficients=coefficients, normalizer=normalizer,
         )  # fmt: skip
-        options = dict(coefficients=coefficients, normalizer=normalizer)
-        if backend == "chunked":
-            loss = dspark_loss_chunked(rows, heads, chunk=objective.loss_chunk, **options)
-        else:
-            loss = dspark_loss_plain(rows, heads, **options)
         kept = mode.live()
         loss.loss.backward()
     return StepCensus(kept_after_forward=kept, peak=mode.peak, held=storage_bytes([*inputs, *weights]))

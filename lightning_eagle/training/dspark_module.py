@@ -95,6 +95,42 @@ def dspark_run_spec(
     return spec, config
 
 
+def block_objective(
+    drafter: DSparkDrafter,
+    rows: DSparkRows,
+    head: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    loss_backend: str,
+    loss_chunk: int,
+    coefficients: DSparkCoefficients,
+    normalizer: torch.Tensor,
+    world_size: int = 1,
+) -> DSparkLoss:
+    """The block objective of ``rows`` with the target's ``head`` (the drafter computes in ``dtype``) by
+    ``loss_backend`` (``"plain"`` or ``"chunked"``, resolved). It reads the drafter's head weights outside any of
+    their calls, so it runs as their forward (:func:`~lightning_eagle.parallel.dense_shard.with_full_parameters`): an
+    FSDP2-sharded drafter gathers them for it and for its backward. The training step's and the memory plan's
+    (:mod:`~lightning_eagle.training.dspark_memory`) one objective."""
+    options = dict(coefficients=coefficients, normalizer=normalizer, world_size=world_size)
+
+    def loss_of(hidden: torch.Tensor) -> tuple[torch.Tensor, DSparkLoss]:
+        markov, confidence = drafter.markov_head, drafter.confidence_head
+        heads = DSparkHeads(
+            lm_head_weight=head.to(dtype), markov_w1=markov.markov_w1.weight, markov_w2=markov.markov_w2.weight,
+            confidence_weight=None if confidence is None else confidence.proj.weight,
+            confidence_bias=None if confidence is None else confidence.proj.bias, teacher_head_weight=head,
+        )  # fmt: skip
+        rows_here = dataclasses.replace(rows, hidden=hidden)
+        if loss_backend == "chunked":
+            loss = dspark_loss_chunked(rows_here, heads, chunk=loss_chunk, **options)
+        else:
+            loss = dspark_loss_plain(rows_here, heads, **options)
+        return loss.loss, loss  # the differentiable output on top, where FSDP hooks the heads' backward gather
+
+    return with_full_parameters(drafter.head_units(), loss_of, rows.hidden)[1]
+
+
 class DSparkModule(DraftTrainingModule):
     """Train a :class:`~lightning_eagle.draft.dspark.DSparkDrafter` against a frozen K3 target.
 
@@ -121,7 +157,7 @@ class DSparkModule(DraftTrainingModule):
         super().__init__(groups, optimizer, lr_scheduler)
         self.target_spec, self.draft_config = dspark_run_spec(self.target_settings, self.draft_settings)
         objective = self.objective
-        self.coefficients = DSparkCoefficients(objective.ce, objective.l1, objective.confidence, objective.slot_decay)
+        self.coefficients = DSparkCoefficients.of(objective)
         self.val_metrics = DSparkMetrics(self.block_size)  # created here, never under a meta-device context
         self.draft: DSparkDrafter | None = None
         self._embedding: torch.Tensor | None = None
@@ -186,29 +222,12 @@ class DSparkModule(DraftTrainingModule):
         return self._objective(rows, head.detach(), normalizer), blocks, keep
 
     def _objective(self, rows: DSparkRows, head: torch.Tensor, normalizer: torch.Tensor) -> DSparkLoss:
-        """The block objective of ``rows`` with the target's ``head``. It reads the drafter's head weights outside
-        any of their calls, so it runs as their forward (:func:`~lightning_eagle.parallel.dense_shard.
-        with_full_parameters`): an FSDP2-sharded drafter gathers them for it and for its backward."""
-        draft, dtype = self.draft, self._embedding.dtype  # the drafter's
-        options = dict(coefficients=self.coefficients, normalizer=normalizer, world_size=self.trainer.world_size
-                       if self._trainer is not None else 1)  # fmt: skip
-        chunked = LOSS_BACKEND.resolve(self.objective.loss_backend, rows.hidden.device) == "chunked"
-
-        def objective(hidden: torch.Tensor) -> tuple[torch.Tensor, DSparkLoss]:
-            markov, confidence = draft.markov_head, draft.confidence_head
-            heads = DSparkHeads(
-                lm_head_weight=head.to(dtype), markov_w1=markov.markov_w1.weight, markov_w2=markov.markov_w2.weight,
-                confidence_weight=None if confidence is None else confidence.proj.weight,
-                confidence_bias=None if confidence is None else confidence.proj.bias, teacher_head_weight=head,
-            )  # fmt: skip
-            rows_here = dataclasses.replace(rows, hidden=hidden)
-            if chunked:
-                loss = dspark_loss_chunked(rows_here, heads, chunk=self.objective.loss_chunk, **options)
-            else:
-                loss = dspark_loss_plain(rows_here, heads, **options)
-            return loss.loss, loss  # the differentiable output on top, where FSDP hooks the heads' backward gather
-
-        return with_full_parameters(draft.head_units(), objective, rows.hidden)[1]
+        return block_objective(
+            self.draft, rows, head, self._embedding.dtype,
+            loss_backend=LOSS_BACKEND.resolve(self.objective.loss_backend, rows.hidden.device),
+            loss_chunk=self.objective.loss_chunk, coefficients=self.coefficients, normalizer=normalizer,
+            world_size=self.trainer.world_size if self._trainer is not None else 1,
+        )  # fmt: skip
 
     def _log_terms(self, prefix: str, loss: DSparkLoss, batch_size: int, on_step: bool) -> None:
         options = dict(on_step=on_step, on_epoch=not on_step, batch_size=batch_size, sync_dist=not on_step)

@@ -52,6 +52,12 @@ class DSparkCoefficients:
     confidence: float = 1.0
     slot_decay: float = 4.0
 
+    @classmethod
+    def of(cls, objective) -> DSparkCoefficients:
+        """The coefficients of a run's ``model.objective`` (:class:`~lightning_eagle.run_settings.
+        DSparkObjectiveSettings`)."""
+        return cls(objective.ce, objective.l1, objective.confidence, objective.slot_decay)
+
     def __post_init__(self) -> None:
         for name in ("ce", "l1", "confidence", "slot_decay"):
             value = getattr(self, name)
