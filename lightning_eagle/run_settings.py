@@ -122,7 +122,6 @@ class DraftSettings:
         _choice("model.draft.dtype", self.dtype, DRAFT_DTYPES)
         _flag("model.draft.activation_checkpointing", self.activation_checkpointing)
         _flag("model.draft.shard", self.shard)
-        _flag("model.draft.activation_checkpointing", self.activation_checkpointing)
         check_settings("model.draft", {"init_seed": (self.init_seed, "non_negative", int)})
 
     def __hash__(self) -> int:  # `config` is a dict: hash what identifies the settings
@@ -370,6 +369,16 @@ def check_draft_sequence_parallel(
     for name, applies, why in SEQUENCE_PARALLEL_REFUSALS:
         if applies(draft, target_source, stage):
             raise ValueError(f"{setting} with {name} is not supported: {why}")
+
+
+def check_dspark_sequence_parallel(size: int) -> None:
+    """A DSpark draft has no sequence parallelism: the module's ``setup`` and the memory plan call this one check."""
+    if size > 1:
+        raise ValueError(
+            f"trainer.strategy.init_args.draft_sequence_parallel_size={size} is not supported for a DSpark draft: its "
+            "cost is the A x g block rows against the context, not T x T, so there is no sequence to split; use "
+            "draft_sequence_parallel_size=1 (long rows: model.objective.num_anchors, model.draft.block_chunk)"
+        )
 
 
 def as_settings(group: str, value: Any, groups: Mapping[str, type] = MODEL_GROUPS):

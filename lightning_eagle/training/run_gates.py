@@ -7,7 +7,7 @@ without ranks to shard over."""
 from __future__ import annotations
 
 from lightning_eagle.parallel.layout import draft_mesh
-from lightning_eagle.run_settings import check_draft_sequence_parallel
+from lightning_eagle.run_settings import check_draft_sequence_parallel, check_dspark_sequence_parallel
 from lightning_eagle.training.data_contract import features_manifest
 from lightning_eagle.training.target_source import check_features_manifest
 
@@ -54,11 +54,5 @@ def refuse_unsupported_dspark_run(module, stage: str) -> None:
             f"({module.draft_config.vocab_size}, its LM head is the target's; vLLM refuses a draft vocabulary): "
             "leave data.draft_vocab_size unset"
         )
-    size = module.placement.draft_sequence_parallel_size
-    if size > 1:
-        raise ValueError(
-            f"trainer.strategy.init_args.draft_sequence_parallel_size={size} is not supported for a DSpark draft: its "
-            "cost is the A x g block rows against the context, not T x T, so there is no sequence to split; use "
-            "draft_sequence_parallel_size=1 (long rows: model.objective.num_anchors, model.draft.block_chunk)"
-        )
+    check_dspark_sequence_parallel(module.placement.draft_sequence_parallel_size)
     refuse_unshardable_draft(module)

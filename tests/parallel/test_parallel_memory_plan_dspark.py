@@ -80,3 +80,14 @@ def test_dspark_plan_refusals(tmp_path, capsys):
     config.write_text(text)
     assert memory_plan_main(["--config", str(config), "--device", "cpu"]) == 2
     assert "the DSpark plan counts CUDA's attention kernel only" in capsys.readouterr().err
+
+
+def test_the_plan_refuses_dspark_sequence_parallelism_with_the_modules_words():
+    from lightning_eagle.k3 import config_from_name
+    from lightning_eagle.parallel.layout import ParallelLayout
+    from lightning_eagle.parallel.memory_plan import PlanInputs
+
+    layout = ParallelLayout(world_size=2, draft_sequence_parallel_size=2)
+    with pytest.raises(ValueError, match=r"draft_sequence_parallel_size=2 is not supported for a DSpark draft"):
+        PlanInputs(target=config_from_name("k3-tiny"), draft=TINY, layout=layout, draft_settings=DSparkDraftSettings(),
+                   objective=DSparkObjectiveSettings())  # fmt: skip

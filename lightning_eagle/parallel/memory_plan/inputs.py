@@ -28,6 +28,7 @@ from lightning_eagle.run_settings import (
     ObjectiveSettings,
     TargetSettings,
     check_draft_sequence_parallel,
+    check_dspark_sequence_parallel,
 )
 
 if TYPE_CHECKING:
@@ -99,11 +100,7 @@ class PlanInputs:
                 )
 
     def _check_dspark(self) -> None:
-        if self.draft_sp != 1:
-            raise ValueError(
-                f"trainer.strategy.init_args.draft_sequence_parallel_size={self.draft_sp}: a DSpark draft has no "
-                "sequence parallelism (its cost is A x g block rows against the context); use 1"
-            )
+        check_dspark_sequence_parallel(self.draft_sp)
         if self.device != "cuda":
             raise ValueError(f"--device {self.device}: the DSpark plan counts CUDA's attention kernel only")
 
