@@ -307,13 +307,15 @@ def is_dspark_class_path(class_path: object) -> bool:
     return isinstance(class_path, str) and class_path.rpartition(".")[2] == "DSparkModule"
 
 
-def refuse_flat_model_keys(model: Mapping[str, Any] | None, where: str) -> None:
+def refuse_flat_model_keys(
+    model: Mapping[str, Any] | None, where: str, draft_settings: type | None = DraftSettings
+) -> None:
     """``ValueError`` naming the first setting of ``model`` (a run config's ``model:`` mapping, from ``where``) that
     is in the flat shape: an old key, ``target: PATH`` instead of ``target: {path: PATH}``, or draft config fields
-    directly under ``draft:`` (the fields of the family ``model.class_path`` names)."""
+    directly under ``draft:``. ``draft_settings``: the ``model.draft`` type of the family ``model.class_path`` names
+    (its fields are never old keys; None: not known here, so not checked)."""
     if not isinstance(model, Mapping):
         return
-    draft_settings = DSparkDraftSettings if is_dspark_class_path(model.get("class_path")) else DraftSettings
     model = model.get("init_args", model) if "class_path" in model else model
     if not isinstance(model, Mapping):
         return
@@ -323,7 +325,7 @@ def refuse_flat_model_keys(model: Mapping[str, Any] | None, where: str) -> None:
     if "target" in model and isinstance(model["target"], str):
         raise ValueError(f"{where}: model.target is a group now: write model.target.path: {model['target']}")
     draft = model.get("draft")
-    if isinstance(draft, Mapping):
+    if isinstance(draft, Mapping) and draft_settings is not None:
         fields = {f.name for f in dataclasses.fields(draft_settings)}
         for key in draft:
             if key not in fields:

@@ -437,7 +437,7 @@ CLI_CASES = [
                  ["checkpoint '$truncated' (", "bytes) cannot be read: it is truncated or corrupt"],
                  id="export-truncated-ckpt"),
     pytest.param(["export", "$tmp/nope.ckpt", "$tmp/out"], 1,
-                 ["export source '$tmp/nope.ckpt' is neither a draft module nor an existing checkpoint"],
+                 ["export source '$tmp/nope.ckpt' does not exist (a checkpoint file or DCP folder written by fit)"],
                  id="export-missing-ckpt"),
     pytest.param(["export", "$ckpt", "$existing"], 1,
                  ["$existing exists; pass --overwrite (overwrite=True) to replace a previous write there"],
@@ -788,7 +788,7 @@ def test_acceptance_context_beyond_the_targets_declared_length_is_refused(tmp_pa
     (draft / "config.json").write_text('{"architectures": ["SomethingElse"]}')
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["acceptance", "--target", "quickstart", "--draft", str(draft), "--context-lengths", "1k"])
-    assert "no draft family recognise architectures=['SomethingElse']; known families: eagle3" in str(
+    assert "no draft family recognise architectures=['SomethingElse']; known families: dspark, eagle3" in str(
         exit_info.value.code
     )
 

@@ -129,7 +129,7 @@ def test_the_plan_plans_what_fit_builds_and_runs(tmp_path):
     module, inputs = cli.model, run_config_from_yaml(path, device="cpu").inputs
     assert inputs.draft_settings == module.draft_settings and inputs.objective == module.objective
     assert inputs.target_settings == dataclasses.replace(module.target_settings, aux_layer_ids=(1, 3, 5))
-    assert inputs.draft.to_dict() == module._draft_config(320).to_dict()
+    assert inputs.draft.to_dict() == module._build_draft(320).config.to_dict()
     # `auto` resolved by the registries fit dispatches with, on the planned device
     assert inputs.attention_backend == backends.TTT_ATTENTION_BACKEND.resolve("auto", torch.device("cpu"))
     assert inputs.loss_backend == backends.LOSS_BACKEND.resolve("auto", torch.device("cpu")) == "chunked"

@@ -66,13 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--num-draft-tokens",
         type=int,
-        default=DEFAULT_NUM_DRAFT_TOKENS,
-        help=f"K, tokens drafted per round (default {DEFAULT_NUM_DRAFT_TOKENS}; use the model.objective.ttt_steps it "
-        "trained with)",
+        default=None,
+        help="K, tokens drafted per round (default: the draft family's own: an EAGLE-3 export's recorded ttt_steps, "
+        f"else {DEFAULT_NUM_DRAFT_TOKENS}; a DSpark drafter's block)",
     )
     parser.add_argument("--temperature", type=float, default=1.0, help="default 1 (the cards'); 0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--aux-layer-ids", type=int, nargs=3, default=None, help="override the draft's record")
+    parser.add_argument(
+        "--aux-layer-ids", type=int, nargs="+", default=None,
+        help="0-based target taps, any number (default: what the draft records; a DSpark drafter taps only its own)",
+    )  # fmt: skip
     parser.add_argument("--no-thinking", action="store_true", help="render chats with thinking off")
     parser.add_argument("--thinking-effort", default=None, choices=["low", "high", "max"])
     parser.add_argument("--no-plain", action="store_true", help="skip the plain-decoding baseline")
@@ -100,18 +103,18 @@ def _report(args: argparse.Namespace) -> None:
     check_settings("", {  # each numeric flag under its own name, before any model is read
         "--num-prompts": (args.num_prompts, "positive", int),
         "--max-new-tokens": (args.max_new_tokens, "positive", int),
-        "--num-draft-tokens": (args.num_draft_tokens, "positive", int),
         "--temperature": (args.temperature, "non_negative", float),
         "--top-p": (args.top_p, "positive", float),
         "--context-prompts": (args.context_prompts, "positive", int),
         "--prefill-chunk": (args.prefill_chunk, "non_negative", int),
         **{flag: (value, "positive", int) for flag, value in (("--threads", args.threads),
-           ("--max-prompt-tokens", args.max_prompt_tokens), ("--max-prompts", args.max_prompts)) if value is not None},
+           ("--max-prompt-tokens", args.max_prompt_tokens), ("--max-prompts", args.max_prompts),
+           ("--num-draft-tokens", args.num_draft_tokens)) if value is not None},
     })  # fmt: skip
     if args.top_p > 1:
         raise ValueError(f"--top-p must be in (0, 1] (1 = no nucleus truncation), got {args.top_p!r}")
     # Imported after parsing: `--help` and a bad flag answer without loading the model code.
-    from lightning_eagle.inference.draft_families import load_draft
+    from lightning_eagle.inference.draft_families import default_num_draft_tokens, load_draft
     from lightning_eagle.k3 import KimiK3ForCausalLM
     from lightning_eagle.k3.loader import named_target
 
@@ -145,6 +148,8 @@ def _report(args: argparse.Namespace) -> None:
             "--allow-extrapolation to measure them anyway"
         )
     family, draft = load_draft(args.draft, target, dtype, args.device)
+    if args.num_draft_tokens is None:  # the family's own K (an EAGLE-3 export's ttt_steps, a DSpark block)
+        args.num_draft_tokens = default_num_draft_tokens(draft)
     if names is None and lengths is None:
         _chat_report(args, target, draft)
         return

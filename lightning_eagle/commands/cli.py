@@ -35,11 +35,10 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_eagle.checkpoint_io import CheckpointLoadError, load_checkpoint_file
 from lightning_eagle.commands.arguments import RunParser
 from lightning_eagle.configs import resolve_config_path
+from lightning_eagle.draft.family import default_family, load_all_families
 from lightning_eagle.errors import DEBUG_ENV, RunError, debug_requested
 from lightning_eagle.run_settings import MODEL_GROUPS, refuse_flat_model_keys
-from lightning_eagle.training.draft_training import DraftTrainingModule
-from lightning_eagle.training.dspark_module import DSparkModule  # noqa: F401  (`model.class_path: DSparkModule`)
-from lightning_eagle.training.module import Eagle3Module
+from lightning_eagle.training.draft_training import TRAINING_FAMILIES, DraftTrainingModule, module_class
 from lightning_eagle.training.preemption import PreemptionCheckpoint
 from lightning_eagle.training.progress import StepProgressBar
 from lightning_eagle.training.run_folder import RunFolderGuard
@@ -69,7 +68,7 @@ USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, IsADire
 class Eagle3CLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # `data:` is a ChatDataModule unless it names another class (HiddenStateDataModule for dumped features).
-        # (`model:` is an Eagle3Module unless it names another family: `run_classes`.)
+        # (`model:` is the default family's module unless it names another: `run_classes`.)
         parser.set_defaults({"trainer.precision": "32-true", "data": {"class_path": _CHAT_DATA}})
 
     def _add_subcommands(self, parser, **kwargs) -> None:
@@ -82,8 +81,8 @@ class Eagle3CLI(LightningCLI):
         # LightningCLI merges the checkpoint's hyperparameters over the parsed config here, which silently drops
         # explicit command-line values (--model.objective.ttt_steps 3) and lets a checkpoint switch the run's draft
         # architecture. Ours: the run's config is what runs; the module refuses a checkpoint whose draft differs
-        # (Eagle3Module.on_load_checkpoint). The file is still read now, so a missing or truncated one is refused by
-        # name before the run writes its config and logs.
+        # (DraftTrainingModule.on_load_checkpoint). The file is still read now, so a missing or truncated one is refused
+        # by name before the run writes its config and logs.
         ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
         if not ckpt_path or ckpt_path in ("last", "best", "hpc", "registry"):
             return
@@ -125,15 +124,17 @@ def _has(callbacks: list, kind: type) -> bool:
 
 
 # What every run config describes: a draft family's module and any LightningDataModule (`data.class_path`). A config
-# naming no `model.class_path` is an Eagle3Module's (every config before DSpark, parsed exactly as then); one that names
-# a family is parsed in subclass mode over the families' base class.
+# naming no `model.class_path` is the default family's module (every config before a second family, parsed exactly as
+# then); one that names a module is parsed in subclass mode over the families' base class. Every registered family's
+# modules are imported first, so a config may name one by its class name alone.
+load_all_families()
 _DATA_CLASSES = {"datamodule_class": LightningDataModule, "subclass_mode_data": True}
-RUN_CLASSES = {"model_class": Eagle3Module, **_DATA_CLASSES}
+RUN_CLASSES = {"model_class": TRAINING_FAMILIES[default_family().name], **_DATA_CLASSES}
 FAMILY_RUN_CLASSES = {"model_class": DraftTrainingModule, "subclass_mode_model": True, **_DATA_CLASSES}
 
 
 def run_classes(words: list[str]) -> dict:
-    """The LightningCLI classes of the run ``words`` describe (:data:`RUN_CLASSES` unless they name a family)."""
+    """The LightningCLI classes of the run ``words`` describe (:data:`RUN_CLASSES` unless they name a module)."""
     return FAMILY_RUN_CLASSES if model_class_path(words) is not None else RUN_CLASSES
 
 
@@ -166,12 +167,14 @@ def refuse_flat_settings(words: list[str]) -> None:
     place in the groups of :mod:`lightning_eagle.run_settings` (of the family ``model.class_path`` names), before
     LightningCLI parses anything."""
     class_path = model_class_path(words)
+    kind = module_class(class_path)
+    draft_settings = None if kind is None else kind.settings_groups["draft"]
     for path in _config_files(words):
         loaded = yaml.safe_load(path.read_text())
         model = loaded.get("model") if isinstance(loaded, dict) else None
         if isinstance(model, dict) and class_path and "class_path" not in model:
             model = {"class_path": class_path, "init_args": model}
-        refuse_flat_model_keys(model, str(path))
+        refuse_flat_model_keys(model, str(path), draft_settings)
     for i, word in enumerate(words):
         if word.startswith("--model."):
             keys = word[len("--model.") :].split("=", 1)[0].split(".")
@@ -183,9 +186,9 @@ def refuse_flat_settings(words: list[str]) -> None:
             if len(keys) == 1 and keys[0] in MODEL_GROUPS:  # a whole group: a mapping or a YAML file of one
                 value = word.split("=", 1)[1] if "=" in word else (words[i + 1] if i + 1 < len(words) else "")
                 if keys[0] == "target" and not (value.lstrip().startswith("{") or Path(value).is_file()):
-                    refuse_flat_model_keys({"target": value}, "the command line")
+                    refuse_flat_model_keys({"target": value}, "the command line", draft_settings)
                 continue
-            refuse_flat_model_keys(nested, "the command line")
+            refuse_flat_model_keys(nested, "the command line", draft_settings)
 
 
 def make_cli(words: list[str], from_sys_argv: bool, run: bool = True) -> Eagle3CLI:

@@ -29,17 +29,18 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from lightning_eagle import checkpoint_keys as keys
 from lightning_eagle.atomic import atomic_dir, weights_folder_problem
 from lightning_eagle.draft.dspark import DSparkDrafter
 from lightning_eagle.draft.dspark_config import DSparkDraftConfig
+from lightning_eagle.draft.family import DraftFamily, checkpoint_draft_state, checkpoint_family, register_draft_family
 from lightning_eagle.draft.serving_format import AUX_STREAM_ENV, AUX_STREAM_ENV_VALUE, SERVING_ENV_KEY
 
 DSPARK_ARCHITECTURE = "K3DSparkModel"
 DSPARK_MODEL_TYPE = "k3_dspark"
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-# Key under which a DSpark training checkpoint stores ``DSparkDraftConfig.to_dict()`` (the module's record).
-DSPARK_CHECKPOINT_CONFIG_KEY = "dspark_draft_config"
+DSPARK = "dspark"  # the family's name in checkpoints and registries
 # K3DSparkConfig raises on any of these set (the NoPE / gated / q-k-normed K3 MLA, the bonus anchor)
 VLLM_REFUSED_FLAGS = ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dspark_bonus_anchor")
 FP32_PREFIXES = ("confidence_head.",)  # vLLM keeps the confidence head in fp32
@@ -176,17 +177,14 @@ def drafter_holding(config: DSparkDraftConfig, state: dict[str, torch.Tensor], s
     return drafter
 
 
-def is_dspark_checkpoint(checkpoint: Any) -> bool:
-    """Whether a loaded training checkpoint (``torch.load``'s dict) is a DSpark run's."""
-    return isinstance(checkpoint, dict) and DSPARK_CHECKPOINT_CONFIG_KEY in checkpoint
-
-
 def dspark_drafter_from_checkpoint(checkpoint: dict[str, Any]) -> DSparkDrafter:
-    """The drafter of a DSpark training checkpoint (``state_dict`` under ``draft.``, the config under
-    :data:`DSPARK_CHECKPOINT_CONFIG_KEY`), loaded strictly (:func:`drafter_holding`)."""
-    config = DSparkDraftConfig.from_dict(checkpoint[DSPARK_CHECKPOINT_CONFIG_KEY])
-    state = {k[len("draft.") :]: v for k, v in checkpoint.get("state_dict", {}).items() if k.startswith("draft.")}
-    return drafter_holding(config, state, "the checkpoint's DSpark draft")
+    """The drafter of a DSpark training checkpoint (``state_dict`` under ``draft.``, the config under the shared
+    :data:`~lightning_eagle.checkpoint_keys.DRAFT_CONFIG`), loaded strictly (:func:`drafter_holding`)."""
+    family = checkpoint_family(checkpoint)
+    if family.name != DSPARK:
+        raise ValueError(f"the checkpoint holds a {family.name} draft, not a DSpark one (cli.py export reads it)")
+    config = DSparkDraftConfig.from_dict(checkpoint[keys.DRAFT_CONFIG])
+    return drafter_holding(config, checkpoint_draft_state(checkpoint), "the checkpoint's DSpark draft")
 
 
 def dspark_serving_command(
@@ -208,3 +206,28 @@ def dspark_serving_command(
         "rejection_sample_method": rejection_sample_method,
     }
     return f"{prefix}vllm serve {target} --speculative-config '{json.dumps(spec)}'"
+
+
+# ---- the family record -----------------------------------------------------------------------------------------------
+def _recognizes(config_json: dict[str, Any]) -> bool:
+    names = config_json.get("architectures") or []
+    return isinstance(names, list) and DSPARK_ARCHITECTURE in names
+
+
+def _export(source: Any, out_dir, *, dtype=None, overwrite=False, include_embeddings=None) -> Path:
+    if include_embeddings:
+        raise ValueError(
+            "--include-embeddings: a DSpark draft shares the target's embedding and LM head (vLLM refuses its own)"
+        )
+    drafter = dspark_drafter_from_checkpoint(source) if isinstance(source, dict) else source
+    return export_dspark_draft(drafter, out_dir, dtype=dtype or torch.bfloat16, overwrite=overwrite)
+
+
+register_draft_family(DraftFamily(
+    name=DSPARK, config_type=DSparkDraftConfig, is_draft=lambda draft: isinstance(draft, DSparkDrafter),
+    recognizes=_recognizes,
+    load_export=lambda folder, target, dtype, device: load_dspark_export(folder, dtype).to(device),
+    export=_export, serve_lines=lambda config_json, folder: [dspark_serving_command(config_json, folder)],
+    taps=lambda config: list(config.target_layer_ids), legacy_config_keys=("dspark_draft_config",),
+    layers=("lightning_eagle.training.dspark_module", "lightning_eagle.inference.block_speculative"),
+))  # fmt: skip

@@ -25,16 +25,16 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from lightning_eagle import checkpoint_keys as keys
 from lightning_eagle.atomic import atomic_dir, weights_folder_problem
 from lightning_eagle.checkpoint_io import CheckpointLoadError, load_checkpoint_file
 from lightning_eagle.draft import serving_format as fmt
 from lightning_eagle.draft.config import TRAINING_SETTINGS, Eagle3DraftConfig
+from lightning_eagle.draft.family import DraftFamily, checkpoint_family, register_draft_family
 from lightning_eagle.draft.model import KimiK3Eagle3Draft
 from lightning_eagle.draft.pretrained import check_export
 
-# Key under which a training checkpoint stores ``Eagle3DraftConfig.to_dict()`` (the module's on_save_checkpoint).
-CHECKPOINT_CONFIG_KEY = "eagle_draft_config"
-CHECKPOINT_TRAINING_KEY = "eagle_training_settings"  # ttt_steps / step_decay: written into the export as metadata
+EAGLE3 = "eagle3"  # the family's name in checkpoints and registries
 _STRIP = ("_orig_mod.", "module.")
 
 
@@ -158,14 +158,16 @@ def _what_folder_is(folder: Path) -> str:
 
 
 def _from_checkpoint_dict(ckpt: dict, config: Eagle3DraftConfig | None) -> tuple[dict, Eagle3DraftConfig, dict | None]:
-    data = ckpt.get(CHECKPOINT_CONFIG_KEY)
+    family = checkpoint_family(ckpt, required=False)  # None: a bare state dict (``config`` names its draft)
+    if family is not None and family.name != EAGLE3:
+        raise ValueError(f"the checkpoint holds a {family.name} draft, not an EAGLE-3 one (cli.py export reads it)")
+    data = ckpt.get(keys.DRAFT_CONFIG)
     # Checkpoints written before the training settings left the draft config hold them inside it.
-    training = ckpt.get(CHECKPOINT_TRAINING_KEY) or {k: data[k] for k in TRAINING_SETTINGS if k in (data or {})}
+    training = ckpt.get(keys.DRAFT_TRAINING) or {k: data[k] for k in TRAINING_SETTINGS if k in (data or {})}
     if config is None:
         if data is None:
             raise ValueError(
-                f"the checkpoint has no {CHECKPOINT_CONFIG_KEY!r} entry; "
-                "pass config=Eagle3DraftConfig(...) to export_draft"
+                f"the checkpoint has no {keys.DRAFT_CONFIG!r} entry; pass config=Eagle3DraftConfig(...) to export_draft"
             )
         config = Eagle3DraftConfig.from_dict(data)
     state = ckpt.get("state_dict", ckpt)
@@ -184,3 +186,30 @@ def draft_state_from_trainer_state(state: dict[str, Any]) -> dict[str, torch.Ten
             key = key.replace(wrapper, "")
         out[key] = value
     return out
+
+
+# ---- the family record -----------------------------------------------------------------------------------------------
+def _recognizes(config_json: dict[str, Any]) -> bool:
+    names = config_json.get("architectures") or []
+    return isinstance(names, list) and any(n == fmt.ARCHITECTURE or n in fmt.ENGINE_ARCHITECTURE_NAMES for n in names)
+
+
+def _load_export(folder: Path, target, dtype: torch.dtype, device: str) -> KimiK3Eagle3Draft:
+    embedding = None if target is None else target.model.embed_tokens.weight
+    draft = KimiK3Eagle3Draft.from_pretrained(folder, target_embedding=embedding, dtype=dtype, device=device)
+    recorded = json.loads((Path(folder) / fmt.CONFIG_NAME).read_text())
+    # how it was trained (ttt_steps: the K its decoding drafts by default), as the export records it
+    draft.training_settings = {k: recorded[k] for k in TRAINING_SETTINGS if k in recorded}
+    return draft
+
+
+def _export(source: Any, out_dir, *, dtype=None, overwrite=False, include_embeddings=None) -> Path:
+    return export_draft(source, out_dir, dtype=dtype, include_embeddings=include_embeddings, overwrite=overwrite)
+
+
+register_draft_family(DraftFamily(
+    name=EAGLE3, config_type=Eagle3DraftConfig, is_draft=lambda draft: isinstance(draft, KimiK3Eagle3Draft),
+    recognizes=_recognizes, load_export=_load_export, export=_export, serve_lines=fmt.serving_instructions,
+    taps=lambda config: getattr(config, "aux_layer_ids", None), legacy_config_keys=("eagle_draft_config",),
+    layers=("lightning_eagle.training.module", "lightning_eagle.inference.eagle3_decoding"), default=True,
+))  # fmt: skip

@@ -42,7 +42,9 @@ from collections.abc import Iterable
 import torch
 
 from lightning_eagle.draft.dspark import DSparkContextCache, DSparkDrafter
+from lightning_eagle.draft.dspark_export import DSPARK
 from lightning_eagle.inference.aux_ids import resolve_block_taps
+from lightning_eagle.inference.draft_families import DecodingFamily, register_decoding_family
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, TargetStep
 from lightning_eagle.inference.sampling import pick_token, verify_drafts
 from lightning_eagle.inference.speculative import (
@@ -160,3 +162,16 @@ def block_speculative_generate(
         out.target_seconds += t2 - t1
     out.seconds = time.perf_counter() - start
     return out
+
+
+def _block_generate(target, drafter, prompt_ids, max_new_tokens=64, num_draft_tokens=None, temperature=0.0,
+                    seed=None, aux_layer_ids=None, **options):  # fmt: skip
+    if aux_layer_ids is not None:  # a block drafter's taps are its config's target_layer_ids, nothing else
+        raise ValueError(f"aux_layer_ids={aux_layer_ids!r}: a DSpark drafter taps its own target_layer_ids "
+                         f"{list(drafter.config.target_layer_ids)}")  # fmt: skip
+    return block_speculative_generate(target, drafter, prompt_ids, max_new_tokens, num_draft_tokens, temperature,
+                                      seed, **options)  # fmt: skip
+
+
+# DSpark's decoding record: block drafting, K = the drafter's block (one block drafts at most g tokens)
+register_decoding_family(DecodingFamily(DSPARK, _block_generate, lambda drafter: drafter.config.block_size))

@@ -41,7 +41,6 @@ from typing_extensions import override
 from lightning_eagle.data.prompt_sets import load_prompt_set
 from lightning_eagle.data.prompts import prompts_from_datamodule
 from lightning_eagle.data.tokenizer_choice import resolve_tokenizer
-from lightning_eagle.draft.dspark_config import DSparkDraftConfig
 from lightning_eagle.inference.acceptance import capped_prompts, check_max_prompt_tokens, evaluate_acceptance
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from lightning_eagle.inference.prompt_set_run import evaluate_prompt_set, set_summary, summary_metrics
@@ -56,11 +55,12 @@ DEFAULT_CALLBACK_PROMPT_TOKENS = 4096
 
 @runtime_checkable
 class UnrollsDraftSteps(Protocol):
-    """A training module that says how many draft steps it unrolls (``Eagle3Module``:
-    ``model.objective.ttt_steps``): the K the callback drafts per round unless it is given one."""
+    """A training module that says how many tokens its family drafts per verify (every
+    :class:`~lightning_eagle.training.draft_training.DraftTrainingModule`: EAGLE-3's ``model.objective.ttt_steps``, a
+    block drafter's block): the K the callback drafts per round unless it is given one."""
 
     @property
-    def ttt_steps(self) -> int: ...
+    def num_draft_tokens(self) -> int: ...
 
 
 @runtime_checkable
@@ -77,16 +77,14 @@ class TrainsADraft(Protocol):
 
 
 def draft_steps(pl_module: pl.LightningModule, num_draft_tokens: int | None) -> int:
-    """K for one acceptance run: the callback's own setting, else the module's training unroll."""
+    """K for one acceptance run: the callback's own setting, else the family's own (the module's)."""
     if num_draft_tokens is not None:
         return num_draft_tokens
-    if isinstance(getattr(pl_module, "draft_config", None), DSparkDraftConfig):
-        return pl_module.draft_config.block_size  # a block drafter proposes its whole block
     if isinstance(pl_module, UnrollsDraftSteps):
-        return pl_module.ttt_steps
+        return pl_module.num_draft_tokens
     raise TypeError(
-        f"AcceptanceCallback(num_draft_tokens=None) drafts the module's ttt_steps, but {type(pl_module).__name__} "
-        "has no ttt_steps; pass num_draft_tokens"
+        f"AcceptanceCallback(num_draft_tokens=None) drafts the module's num_draft_tokens, but "
+        f"{type(pl_module).__name__} has none; pass num_draft_tokens"
     )
 
 
@@ -95,7 +93,7 @@ class AcceptanceCallback(pl.Callback):
     every_n_epochs: run at the end of validation in epochs divisible by this (all validation runs of such an
         epoch, e.g. with ``val_check_interval``).
     num_prompts / max_new_tokens: prompts per run and tokens generated per prompt.
-    num_draft_tokens: K (default: the module's ``ttt_steps``, see :class:`UnrollsDraftSteps`).
+    num_draft_tokens: K (default: the family's own, the module's ``num_draft_tokens``: :class:`UnrollsDraftSteps`).
     temperature: 0 = greedy (default; deterministic, comparable across runs).
     prompts_file: a JSONL/JSON chat file to take prompts from instead of the validation rows (rendered with the
         data module's tokenizer and render options when there is one).
@@ -183,12 +181,10 @@ class AcceptanceCallback(pl.Callback):
         expert_parallel = pl_module.expert_range() is not None
         if trainer.global_rank != 0 and not expert_parallel:
             return
-        draft_config = pl_module.draft_config or draft.config
-        # a block drafter taps its own target_layer_ids; the loop is the draft family's (generate_for)
-        aux_layer_ids = None if isinstance(draft_config, DSparkDraftConfig) else draft_config.aux_layer_ids
+        # the draft taps what its config records (aux_layer_ids None); the loop is the draft family's (generate_for)
         decoding = {"max_new_tokens": self.max_new_tokens, "num_draft_tokens": draft_steps(pl_module,
                     self.num_draft_tokens), "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                    "aux_layer_ids": aux_layer_ids, "prefill_chunk": self.prefill_chunk}  # fmt: skip
+                    "aux_layer_ids": None, "prefill_chunk": self.prefill_chunk}  # fmt: skip
         with torch.autocast(device_type=target.lm_head.weight.device.type, enabled=False):
             if self.benchmark is not None:
                 datamodule = getattr(trainer, "datamodule", None)

@@ -1,17 +1,15 @@
-"""Which draft family an export is, read from its ``config.json``, and how to load it for speculative decoding.
+"""Decoding's record of a draft family, and loading an export for speculative decoding.
 
-A family recognises its exports by their ``config.json`` and loads one as an object
-:func:`~lightning_eagle.inference.speculative_generate` drafts with (a draft model, or any
-:class:`~lightning_eagle.inference.draft_runner.Drafter`). Today the one family is EAGLE-3 (chain drafting, both
-draft architectures and NeMo Automodel exports: ``architectures`` names an EAGLE-3 head) and DSpark (block drafting,
-vLLM's ``K3DSparkModel`` layout). Each family also names its decoding loop (``generate``, with
-:func:`~lightning_eagle.inference.speculative_generate`'s signature), which :func:`generate_for` picks for a loaded
-draft, and :func:`decoding_loop` holds it for a ``with`` block in eval mode.
+A family registers a :class:`DecodingFamily` under its name next to its loop (the draft layer's record,
+:class:`~lightning_eagle.draft.family.DraftFamily`, lists that module in ``layers``): its decoding loop (``generate``,
+with :func:`~lightning_eagle.inference.speculative_generate`'s signature) and its own K, the tokens it drafts per
+verify when the caller says none. :func:`generate_for` picks the loop for a loaded draft (chains for any
+:class:`~lightning_eagle.inference.draft_runner.Drafter` no family claims), :func:`decoding_loop` holds it for a
+``with`` block in eval mode, and :func:`load_draft` reads an export whatever its family.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,106 +18,56 @@ from typing import Any
 
 import torch
 
+from lightning_eagle.draft.family import draft_family_named, draft_family_of, export_config, load_export
+
+__all__ = ["export_config"]  # re-exported: what a notebook reads of an export
+
 
 @dataclass(frozen=True)
-class DraftFamily:
-    """``recognizes(config_json)``: the export is of this family; ``load(folder, target, dtype, device)``: the draft,
-    ready to decode against ``target`` (its missing frozen embedding filled from the target's)."""
+class DecodingFamily:
+    """``generate(target, draft, prompt_ids, max_new_tokens, num_draft_tokens, temperature, seed, aux_layer_ids,
+    **options)``: the family's loop; ``num_draft_tokens(draft)``: its own K for a loaded draft."""
 
     name: str
-    recognizes: Callable[[dict[str, Any]], bool]
-    load: Callable[[Path, Any, torch.dtype, str], Any]
-    generate: Callable[..., Any] | None = None  # None: speculative_generate (chain drafting)
-    is_draft: Callable[[Any], bool] | None = None  # which loaded objects are this family's (for generate_for)
+    generate: Callable[..., Any]
+    num_draft_tokens: Callable[[Any], int]
 
 
-DRAFT_FAMILIES: dict[str, DraftFamily] = {}
+DECODING_FAMILIES: dict[str, DecodingFamily] = {}
 
 
-def register_draft_family(family: DraftFamily) -> DraftFamily:
+def register_decoding_family(family: DecodingFamily) -> DecodingFamily:
     """Add ``family`` (its name must be new)."""
-    if family.name in DRAFT_FAMILIES:
-        raise ValueError(f"draft family {family.name!r} is already registered")
-    DRAFT_FAMILIES[family.name] = family
+    if family.name in DECODING_FAMILIES:
+        raise ValueError(f"decoding of draft family {family.name!r} is already registered")
+    DECODING_FAMILIES[family.name] = family
     return family
 
 
-def export_config(folder: str | Path) -> dict[str, Any]:
-    """The export's ``config.json`` (one ``ValueError`` naming the file when it is missing or not a JSON object)."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"draft export {str(folder)!r} has no config.json (expected {path})")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def draft_family(config_json: dict[str, Any], source: str = "config.json") -> DraftFamily:
-    """The one registered family that recognises ``config_json``; none or several is a ``ValueError``."""
-    matches = [f for f in DRAFT_FAMILIES.values() if f.recognizes(config_json)]
-    if len(matches) != 1:
-        found = "no draft family" if not matches else "several draft families (" + ", ".join(f.name for f in matches)
-        raise ValueError(
-            f"{source}: {found}{')' if matches else ''} recognise architectures={config_json.get('architectures')!r}; "
-            f"known families: {', '.join(DRAFT_FAMILIES)}"
-        )
-    return matches[0]
+def decoding_family(name: str, source: str = "the draft") -> DecodingFamily:
+    """The decoding record of the family ``name`` (its modules loaded first)."""
+    draft_family_named(name, source)
+    if name not in DECODING_FAMILIES:
+        raise ValueError(f"{source}: draft family {name!r} registers no decoding loop")
+    return DECODING_FAMILIES[name]
 
 
 def load_draft(folder: str | Path, target, dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[str, Any]:
     """``(family name, draft)`` for the export at ``folder``, its family read from its ``config.json``."""
-    if not Path(folder).is_dir():
-        raise ValueError(f"draft folder {str(folder)!r} does not exist")
-    family = draft_family(export_config(folder), str(Path(folder) / "config.json"))
-    return family.name, family.load(Path(folder), target, dtype, device)
+    family, draft = load_export(folder, target, dtype, device)
+    return family.name, draft
 
 
-def _is_eagle3(config_json: dict[str, Any]) -> bool:
-    from lightning_eagle.draft.serving_format import ARCHITECTURE, ENGINE_ARCHITECTURE_NAMES
-
-    names = config_json.get("architectures") or []
-    return isinstance(names, list) and any(n == ARCHITECTURE or n in ENGINE_ARCHITECTURE_NAMES for n in names)
-
-
-def _load_eagle3(folder: Path, target, dtype: torch.dtype, device: str):
-    from lightning_eagle.draft import KimiK3Eagle3Draft
-
-    return KimiK3Eagle3Draft.from_pretrained(
-        folder, target_embedding=target.model.embed_tokens.weight, dtype=dtype, device=device
-    )
+def family_of(draft: Any) -> DecodingFamily | None:
+    """The decoding record of a loaded draft's family (None: no family claims it, e.g. a bare Drafter)."""
+    family = draft_family_of(draft)
+    return None if family is None else decoding_family(family.name)
 
 
-def _is_dspark(config_json: dict[str, Any]) -> bool:
-    from lightning_eagle.draft.dspark_export import DSPARK_ARCHITECTURE
-
-    names = config_json.get("architectures") or []
-    return isinstance(names, list) and DSPARK_ARCHITECTURE in names
-
-
-def _load_dspark(folder: Path, target, dtype: torch.dtype, device: str):
-    from lightning_eagle.draft.dspark_export import load_dspark_export
-
-    return load_dspark_export(folder, dtype).to(device)
-
-
-def _block_generate(target, drafter, prompt_ids, max_new_tokens=64, num_draft_tokens=None, temperature=0.0,
-                    seed=None, aux_layer_ids=None, **options):  # fmt: skip
-    from lightning_eagle.inference.block_speculative import block_speculative_generate
-
-    if aux_layer_ids is not None:  # a block drafter's taps are its config's target_layer_ids, nothing else
-        raise ValueError(f"aux_layer_ids={aux_layer_ids!r}: a DSpark drafter taps its own target_layer_ids")
-    return block_speculative_generate(target, drafter, prompt_ids, max_new_tokens, num_draft_tokens, temperature,
-                                      seed, **options)  # fmt: skip
-
-
-def _is_dspark_drafter(draft: Any) -> bool:
-    from lightning_eagle.draft.dspark import DSparkDrafter
-
-    return isinstance(draft, DSparkDrafter)
+def default_num_draft_tokens(draft: Any) -> int | None:
+    """The K a loaded draft's family drafts per verify by default (None: no family claims the draft)."""
+    family = family_of(draft)
+    return None if family is None else family.num_draft_tokens(draft)
 
 
 @contextmanager
@@ -140,11 +88,5 @@ def generate_for(draft: Any) -> Callable[..., Any]:
     """The decoding loop of ``draft``'s family (chains for anything no family claims: any Drafter object)."""
     from lightning_eagle.inference.speculative import speculative_generate
 
-    for family in DRAFT_FAMILIES.values():
-        if family.is_draft is not None and family.generate is not None and family.is_draft(draft):
-            return family.generate
-    return speculative_generate
-
-
-register_draft_family(DraftFamily("eagle3", _is_eagle3, _load_eagle3))
-register_draft_family(DraftFamily("dspark", _is_dspark, _load_dspark, _block_generate, _is_dspark_drafter))
+    family = family_of(draft)
+    return speculative_generate if family is None else family.generate

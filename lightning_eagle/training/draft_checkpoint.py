@@ -1,9 +1,9 @@
-"""What a draft-training checkpoint holds and what a resume refuses (both families).
+"""What a draft-training checkpoint holds and what a resume refuses (every family).
 
-A checkpoint holds the draft (an EAGLE-3 draft with its vocabulary map), its config (under the family's key:
-:func:`eagle3_record`, or DSpark's), the target's fingerprint, whether the draft was FSDP2-sharded and rank 0's random
-streams — never the target. A resume refuses a checkpoint of another target, draft architecture, vocabulary map or
-draft sharding, naming both values.
+A checkpoint holds the draft (with its vocabulary map where the family has one), the family's name and its draft
+config under the shared keys of :mod:`lightning_eagle.checkpoint_keys` (:func:`draft_record`), the target's
+fingerprint, whether the draft was FSDP2-sharded and rank 0's random streams — never the target. A resume refuses a
+checkpoint of another family, target, draft architecture, vocabulary map or draft sharding, naming both values.
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states
 
+from lightning_eagle import checkpoint_keys as keys
 from lightning_eagle.draft.config import TRAINING_SETTINGS
-from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY, CHECKPOINT_TRAINING_KEY
+from lightning_eagle.draft.family import checkpoint_family
 from lightning_eagle.dtypes import DTYPES
-from lightning_eagle.training.resume import MICRO_BATCH_ROWS_KEY, rng_states_to_checkpoint
+from lightning_eagle.training.resume import rng_states_to_checkpoint
 
-RNG_STATES_KEY = "eagle_rng_states"
-DRAFT_SHARDED_KEY = "eagle_draft_sharded"
-TARGET_FINGERPRINT_KEY = "eagle_target_fingerprint"
 NOT_CHECKPOINTED = ("source.", "train_metrics.", "val_metrics.")  # the target (or its teacher head) and metrics
 
 
@@ -67,35 +65,44 @@ def load_draft(module, state_dict: dict[str, Any], mapping, assign: bool = False
     return result
 
 
-def eagle3_record(module) -> dict[str, Any]:
-    """What an EAGLE-3 checkpoint records of its draft: the config and the TTT settings (the export's metadata)."""
+def draft_record(module) -> dict[str, Any]:
+    """What a checkpoint records of its draft besides the tensors: the family, its config and how it was trained
+    (the module's ``training_record()``, which the export writes as metadata)."""
     return {
-        CHECKPOINT_CONFIG_KEY: module.draft_config.to_dict(),
-        CHECKPOINT_TRAINING_KEY: {"ttt_steps": module.objective.ttt_steps, "step_decay": module.objective.step_decay},
+        keys.DRAFT_FAMILY: module.family,
+        keys.DRAFT_CONFIG: module.draft_config.to_dict(),
+        keys.DRAFT_TRAINING: module.training_record(),
     }
 
 
 def checkpoint_extras(module, micro_batch_rows: int | None) -> dict[str, Any]:
     """What ``on_save_checkpoint`` adds besides the state dict and the family's record of its draft."""
     return {
-        TARGET_FINGERPRINT_KEY: module.target_spec.fingerprint,
-        MICRO_BATCH_ROWS_KEY: micro_batch_rows,
-        DRAFT_SHARDED_KEY: getattr(module.draft_settings, "shard", False),
+        keys.TARGET_FINGERPRINT: module.target_spec.fingerprint,
+        keys.MICRO_BATCH_ROWS: micro_batch_rows,
+        keys.DRAFT_SHARDED: getattr(module.draft_settings, "shard", False),
         # Rank 0's generators (the only checkpoint written): resumed ranks continue from the same random streams.
-        RNG_STATES_KEY: rng_states_to_checkpoint(_collect_rng_states(include_cuda=torch.cuda.is_available())),
+        keys.RNG_STATES: rng_states_to_checkpoint(_collect_rng_states(include_cuda=torch.cuda.is_available())),
     }
 
 
-def check_resume(module, checkpoint: dict[str, Any], config_key: str = CHECKPOINT_CONFIG_KEY) -> None:
-    """Refuse a checkpoint of another target, draft architecture (the config under ``config_key``) or sharding."""
-    saved = checkpoint.get(TARGET_FINGERPRINT_KEY)
+def check_resume(module, checkpoint: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another family, target, draft architecture or sharding (its keys are brought to the
+    shared layout first: :func:`~lightning_eagle.draft.family.checkpoint_family`)."""
+    family = checkpoint_family(checkpoint).name
+    if family != module.family:
+        raise ValueError(
+            f"the checkpoint holds a {family} draft and this run trains a {module.family} draft "
+            f"({type(module).__name__}): resume it with the model.class_path that wrote it, or start a new run"
+        )
+    saved = checkpoint.get(keys.TARGET_FINGERPRINT)
     if saved is not None and saved != module.target_spec.fingerprint:
         raise ValueError(
             f"the checkpoint was trained against another target (config fingerprint {saved}, this target "
             f"{module.target_spec.fingerprint} at {module.target_spec.path})"
         )
-    refuse_another_draft(checkpoint.get(config_key), module.draft_config.to_dict())
-    saved_sharded, shard = checkpoint.get(DRAFT_SHARDED_KEY, False), getattr(module.draft_settings, "shard", False)
+    refuse_another_draft(checkpoint.get(keys.DRAFT_CONFIG), module.draft_config.to_dict())
+    saved_sharded, shard = checkpoint.get(keys.DRAFT_SHARDED, False), getattr(module.draft_settings, "shard", False)
     if saved_sharded != shard:
         raise ValueError(
             f"the checkpoint was written with model.draft.shard={saved_sharded} and this run has "

@@ -1,6 +1,7 @@
-"""``DraftTrainingModule``: what every draft family's LightningModule shares (EAGLE-3's
-:class:`~lightning_eagle.training.module.Eagle3Module`, DSpark's
-:class:`~lightning_eagle.training.dspark_module.DSparkModule`), so each has one home:
+"""``DraftTrainingModule``: what every draft family's LightningModule shares, so each has one home — and the
+training layer's record of a family: a subclass that sets ``family`` (the name of its
+:class:`~lightning_eagle.draft.family.DraftFamily`) is registered by that name when it is defined
+(:func:`training_family` looks it up). It shares:
 
 * the run's settings groups, made into their types and saved as plain hyperparameters;
 * the frozen target's source (:mod:`~lightning_eagle.training.target_source`), its expert slice and the draft's
@@ -12,15 +13,18 @@
   loop counters a resume restores.
 
 ``model.class_path`` of a run config picks the family (LightningCLI's subclass mode over this class); a family
-defines its ``settings_groups``, builds its draft in ``configure_model`` and says what its checkpoint records.
+defines its ``settings_groups``, how its run spec is made (:meth:`run_spec`: the module and the memory plan call the
+same), its decoding K (:attr:`num_draft_tokens`), builds its draft in ``configure_model`` and may add to what its
+checkpoint records (:meth:`training_record`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -28,7 +32,9 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.seed import _set_rng_states
 from typing_extensions import override
 
+from lightning_eagle import checkpoint_keys as keys
 from lightning_eagle.checkpoint_io import AtomicCheckpointIO
+from lightning_eagle.draft.family import default_family, draft_family_named
 from lightning_eagle.parallel.frozen_target import parallelism_of
 from lightning_eagle.parallel.layout import DraftPlacement, draft_placement
 from lightning_eagle.run_settings import MODEL_GROUPS, as_settings
@@ -38,15 +44,59 @@ from lightning_eagle.training.resume import micro_batch_rows, rescale_epoch_prog
 from lightning_eagle.training.schedule import warmup_cosine
 from lightning_eagle.training.target_source import OnlineTarget, TargetSource
 
+TRAINING_FAMILIES: dict[str, type[DraftTrainingModule]] = {}
+
+
+def training_family(name: str, source: str = "the checkpoint") -> type[DraftTrainingModule]:
+    """The LightningModule class registered for the draft family ``name`` (its records loaded first)."""
+    draft_family_named(name, source)
+    if name not in TRAINING_FAMILIES:
+        raise ValueError(f"{source}: draft family {name!r} registers no LightningModule (known: "
+                         f"{', '.join(TRAINING_FAMILIES)})")  # fmt: skip
+    return TRAINING_FAMILIES[name]
+
+
+def module_class(class_path: str | None) -> type[DraftTrainingModule] | None:
+    """The draft-training module a ``model.class_path`` names (a dotted path, or the class name of a registered
+    family's module or one of its subclasses); None: the default family's when unset, None when not resolvable here
+    (LightningCLI then says why)."""
+    if class_path is None:
+        return TRAINING_FAMILIES[default_family().name]
+    module_name, _, name = class_path.rpartition(".")
+    if module_name:
+        try:
+            found = getattr(importlib.import_module(module_name), name, None)
+        except ImportError:
+            return None
+        return found if isinstance(found, type) and issubclass(found, DraftTrainingModule) else None
+    pending, seen = [DraftTrainingModule], set()
+    while pending:  # every subclass defined so far (a family's module, a researcher's subclass of one)
+        kind = pending.pop()
+        if kind.__name__ == name:
+            return kind
+        seen.add(kind)
+        pending += [k for k in kind.__subclasses__() if k not in seen]
+    return None
+
 
 class DraftTrainingModule(pl.LightningModule):
     """The shared part of a draft-training LightningModule against a frozen K3 (module docstring).
 
-    Subclasses set :attr:`settings_groups` (``model.<group>`` → settings type), build ``target_spec`` and
-    ``draft_config`` in ``__init__`` and ``source`` / ``draft`` in ``configure_model``, and implement
-    :meth:`refuse_unsupported_run`, :meth:`checkpoint_record`, :meth:`check_resume` and ``load_state_dict``."""
+    Subclasses set :attr:`family` and :attr:`settings_groups` (``model.<group>`` → settings type), implement
+    :meth:`run_spec` (called in ``__init__``: ``target_spec``, ``draft_config``), :attr:`num_draft_tokens`, build
+    ``source`` / ``draft`` in ``configure_model``, and implement :meth:`refuse_unsupported_run` and
+    ``load_state_dict``."""
 
+    family: ClassVar[str | None] = None  # the family's name: set by the family's module, inherited by its subclasses
     settings_groups: Mapping[str, type] = MODEL_GROUPS
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("family")
+        if name is not None:  # the family's own class (a researcher's subclass inherits the name, not the record)
+            if TRAINING_FAMILIES.get(name, cls).__qualname__ != cls.__qualname__:
+                raise ValueError(f"draft family {name!r} already registers {TRAINING_FAMILIES[name].__name__}")
+            TRAINING_FAMILIES[name] = cls
 
     def __init__(
         self,
@@ -64,6 +114,7 @@ class DraftTrainingModule(pl.LightningModule):
         self.source: TargetSource | None = None
         self.draft: torch.nn.Module | None = None
         self.strict_loading = False  # the checkpoint holds only the draft; `load_state_dict` checks it strictly
+        self.target_spec, self.draft_config = self.run_spec(groups)  # each validated once, before any weight
 
     @property
     def target(self):
@@ -79,17 +130,32 @@ class DraftTrainingModule(pl.LightningModule):
         return parallelism_of(self).expert_range(self.target_spec.num_experts)
 
     # ---- what a family says ---------------------------------------------------------------------------------------
+    @classmethod
+    def run_spec(cls, groups: Mapping[str, Any], config=None) -> tuple[Any, Any]:
+        """``(TargetSpec, draft config)`` of a run's settings ``groups`` (typed), each validated once. ``config``: the
+        target's text config standing in for a checkpoint folder that is not on this machine (the memory plan)."""
+        raise NotImplementedError
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """K: the tokens the family's decoding drafts per verify by default (the acceptance callback's default)."""
+        raise NotImplementedError
+
     def refuse_unsupported_run(self, stage: str) -> None:
         """Raise ``ValueError`` naming the setting when this run cannot train (or ``stage``) as configured."""
         raise NotImplementedError
 
+    def training_record(self) -> dict[str, Any]:
+        """How the draft was trained, as its checkpoint and export record it (default: nothing)."""
+        return {}
+
     def checkpoint_record(self) -> dict[str, Any]:
-        """What a checkpoint records of the draft besides its tensors (its config, under the family's key)."""
-        raise NotImplementedError
+        """What a checkpoint records of the draft besides its tensors (family, config, :meth:`training_record`)."""
+        return ckpt.draft_record(self)
 
     def check_resume(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse a checkpoint this run cannot continue (another target or draft), naming both values."""
-        raise NotImplementedError
+        """Refuse a checkpoint this run cannot continue (another family, target or draft), naming both values."""
+        ckpt.check_resume(self, checkpoint)
 
     # ---- run ------------------------------------------------------------------------------------------------------
     @override
@@ -151,8 +217,8 @@ class DraftTrainingModule(pl.LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if ckpt.RNG_STATES_KEY in checkpoint and self._trainer is not None and self.trainer.state.fn == "fit":
-            _set_rng_states(rng_states_from_checkpoint(checkpoint[ckpt.RNG_STATES_KEY]))
-        self.check_resume(checkpoint)
+        self.check_resume(checkpoint)  # brings the keys of an older layout to the shared ones first
+        if keys.RNG_STATES in checkpoint and self._trainer is not None and self.trainer.state.fn == "fit":
+            _set_rng_states(rng_states_from_checkpoint(checkpoint[keys.RNG_STATES]))
         if self._trainer is not None:  # another world size or batch size: loop counters in this run's micro-batches
             rescale_epoch_progress(checkpoint, micro_batch_rows(self.trainer))

@@ -30,7 +30,7 @@ from typing_extensions import override
 from lightning_eagle.backends import LOSS_BACKEND
 from lightning_eagle.draft.dspark import DSparkDrafter
 from lightning_eagle.draft.dspark_config import DSPARK_PRESETS, DSparkDraftConfig, dspark_config_from_preset
-from lightning_eagle.draft.dspark_export import DSPARK_CHECKPOINT_CONFIG_KEY
+from lightning_eagle.draft.dspark_export import DSPARK
 from lightning_eagle.draft.materialize import build_on_meta, materialize
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.k3.config import KimiK3TextConfig
@@ -142,6 +142,7 @@ class DSparkModule(DraftTrainingModule):
         optimization: AdamW + warmup-cosine; ``optimizer`` / ``lr_scheduler`` callables replace them.
     """
 
+    family = DSPARK
     settings_groups = DSPARK_MODEL_GROUPS
 
     def __init__(
@@ -155,12 +156,19 @@ class DSparkModule(DraftTrainingModule):
     ) -> None:
         groups = {"target": target, "draft": draft, "objective": objective, "optimization": optimization}
         super().__init__(groups, optimizer, lr_scheduler)
-        self.target_spec, self.draft_config = dspark_run_spec(self.target_settings, self.draft_settings)
         objective = self.objective
         self.coefficients = DSparkCoefficients.of(objective)
         self.val_metrics = DSparkMetrics(self.block_size)  # created here, never under a meta-device context
         self.draft: DSparkDrafter | None = None
         self._embedding: torch.Tensor | None = None
+
+    @classmethod
+    def run_spec(cls, groups, config=None) -> tuple[TargetSpec, DSparkDraftConfig]:
+        return dspark_run_spec(groups["target"], groups["draft"], config)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.block_size  # a block drafter proposes its whole block
 
     @property
     def block_size(self) -> int:
@@ -288,14 +296,3 @@ class DSparkModule(DraftTrainingModule):
         result = draft.load_state_dict(state, strict=True, assign=True)
         self.draft = draft.to(dtype=DTYPES[self.draft_settings.dtype])
         return result
-
-    def checkpoint_record(self) -> dict[str, Any]:
-        return {DSPARK_CHECKPOINT_CONFIG_KEY: self.draft_config.to_dict()}
-
-    def check_resume(self, checkpoint: dict[str, Any]) -> None:
-        if DSPARK_CHECKPOINT_CONFIG_KEY not in checkpoint:
-            raise ValueError(
-                "the checkpoint is not a DSpark run's (it has no DSpark draft config): resume it with the model "
-                "class that wrote it, or start a new DSpark run"
-            )
-        ckpt.check_resume(self, checkpoint, config_key=DSPARK_CHECKPOINT_CONFIG_KEY)

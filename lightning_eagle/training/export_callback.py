@@ -1,5 +1,5 @@
-"""Write the serving export of the draft when training ends (the quickstart ends with an exported draft): an EAGLE-3
-draft in the EAGLE-3 layout, a DSpark drafter in vLLM's ``K3DSparkModel`` layout."""
+"""Write the serving export of the draft when training ends (the quickstart ends with an exported draft), in its
+family's serving layout (:class:`~lightning_eagle.draft.family.DraftFamily`'s ``export``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_eagle.checkpoint_io import load_checkpoint_file
-from lightning_eagle.draft.dspark import DSparkDrafter
-from lightning_eagle.draft.dspark_export import dspark_drafter_from_checkpoint, export_dspark_draft
-from lightning_eagle.draft.export import export_draft
+from lightning_eagle.draft.family import family_of_draft
 from lightning_eagle.errors import RunError
 from lightning_eagle.parallel.dense_shard import full_state_dict, has_sharded_trainable_parameters
 
@@ -50,16 +48,9 @@ class ExportDraftCallback(pl.Callback):
         if not trainer.is_global_zero:
             return
         dtype = getattr(torch, self.dtype) if self.dtype else None
-        if isinstance(pl_module.draft, DSparkDrafter):
-            drafter = pl_module.draft
-            if source is not pl_module:
-                checkpoint = source if isinstance(source, dict) else load_checkpoint_file(source, weights_only=False)
-                drafter = dspark_drafter_from_checkpoint(checkpoint)
-            path = export_dspark_draft(drafter, self.resolved_out_dir(trainer), dtype=dtype or torch.bfloat16,
-                                       overwrite=True)  # fmt: skip
-        else:
-            path = export_draft(source, self.resolved_out_dir(trainer), dtype=dtype, overwrite=True)
-        print(
-            f"exported the draft ({'best checkpoint ' + Path(best).name if isinstance(source, str) else 'final'}"
-            f" weights) to {path}"
-        )
+        family, from_best = family_of_draft(pl_module.draft, "the module's draft"), isinstance(source, str)
+        if from_best:
+            source = load_checkpoint_file(source, weights_only=False)
+        path = family.export(source, self.resolved_out_dir(trainer), dtype=dtype, overwrite=True)
+        weights = "best checkpoint " + Path(best).name if from_best else "final"
+        print(f"exported the draft ({weights} weights) to {path}")

@@ -19,6 +19,7 @@ import torch
 from typing_extensions import override
 
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft, build_draft
+from lightning_eagle.draft.export import EAGLE3
 from lightning_eagle.draft.materialize import build_on_meta, materialize
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.k3.target_spec import TargetSpec
@@ -65,6 +66,8 @@ class Eagle3Module(DraftTrainingModule):
     draft_training.DraftTrainingModule`.
     """
 
+    family = EAGLE3
+
     def __init__(
         self,
         target: TargetSettings = TargetSettings(),
@@ -76,9 +79,6 @@ class Eagle3Module(DraftTrainingModule):
     ) -> None:
         groups = {"target": target, "draft": draft, "objective": objective, "optimization": optimization}
         super().__init__(groups, optimizer, lr_scheduler)
-        # Read (config.json only) and validated once; the strategy, the feature dumper and the plan use it as is.
-        self.target_spec = TargetSpec.from_settings(self.target_settings)
-        self.draft_config = self._draft_config(draft_vocab_size=None)  # validated without any weight
         self.train_metrics = TTTMetrics(self.objective.ttt_steps)  # created here, never under a meta-device context
         self.val_metrics = TTTMetrics(self.objective.ttt_steps)
         self.draft: KimiK3Eagle3Draft | None = None
@@ -88,15 +88,22 @@ class Eagle3Module(DraftTrainingModule):
         """K, the draft steps each training position unrolls (what evaluation drafts per round by default)."""
         return self.objective.ttt_steps
 
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.objective.ttt_steps
+
+    def training_record(self) -> dict[str, Any]:
+        return {"ttt_steps": self.objective.ttt_steps, "step_decay": self.objective.step_decay}
+
     # ---- construction ---------------------------------------------------------------------------------------------
-    def _draft_config(self, draft_vocab_size: int | None) -> Eagle3DraftConfig:
-        return Eagle3DraftConfig.from_target_config(
-            self.target_spec.config, **self.draft_settings.config, draft_vocab_size=draft_vocab_size,
-            aux_hidden_state_stream=self.target_spec.aux_stream, aux_layer_ids=list(self.target_spec.aux_layer_ids),
-        )  # fmt: skip
+    @classmethod
+    def run_spec(cls, groups, config=None) -> tuple[TargetSpec, Eagle3DraftConfig]:
+        # Read (config.json only) and validated once; the strategy, the feature dumper and the plan use it as is.
+        spec = TargetSpec.from_settings(groups["target"], config=config)
+        return spec, _draft_config(spec, groups["draft"], draft_vocab_size=None)  # validated without any weight
 
     def _build_draft(self, draft_vocab_size: int | None) -> KimiK3Eagle3Draft:
-        self.draft_config = self._draft_config(draft_vocab_size)
+        self.draft_config = _draft_config(self.target_spec, self.draft_settings, draft_vocab_size)
         settings = self.draft_settings
         return build_draft(self.draft_config, attention_backend=settings.attention_backend,
                            ttt_kv_cache=settings.ttt_kv_cache)  # fmt: skip
@@ -260,8 +267,9 @@ class Eagle3Module(DraftTrainingModule):
         """Strict on the draft (missing or unexpected draft keys raise); the target is never in a checkpoint."""
         return ckpt.load_draft(self, state_dict, self._data_vocabulary(), assign)
 
-    def checkpoint_record(self) -> dict[str, Any]:
-        return ckpt.eagle3_record(self)
 
-    def check_resume(self, checkpoint: dict[str, Any]) -> None:
-        ckpt.check_resume(self, checkpoint)
+def _draft_config(spec: TargetSpec, draft: DraftSettings, draft_vocab_size: int | None) -> Eagle3DraftConfig:
+    return Eagle3DraftConfig.from_target_config(
+        spec.config, **draft.config, draft_vocab_size=draft_vocab_size, aux_hidden_state_stream=spec.aux_stream,
+        aux_layer_ids=list(spec.aux_layer_ids),
+    )  # fmt: skip

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from lightning_eagle.checkpoint_keys import MICRO_BATCH_ROWS as MICRO_BATCH_ROWS_KEY
 from lightning_eagle.training.data_contract import FixedBatchSize, run_datamodule
 
-MICRO_BATCH_ROWS_KEY = "eagle_micro_batch_rows"
 _BATCH_PROGRESS = "epoch_loop.batch_progress"
 
 

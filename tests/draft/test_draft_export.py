@@ -153,7 +153,7 @@ def test_refusal_leaves_nothing_behind(make_draft, tmp_path):
     draft = make_draft()
     state = {f"draft.{k}": v for k, v in draft.state_dict().items()}
     state["draft.extra.weight"] = torch.ones(3)
-    ckpt = {"state_dict": state, export_module.CHECKPOINT_CONFIG_KEY: draft.config.to_dict()}
+    ckpt = {"state_dict": state, **_record(draft)}
     with pytest.raises(ValueError, match="unexpected"):
         export_draft(ckpt, tmp_path / "bad")
     assert list(tmp_path.iterdir()) == []
@@ -207,7 +207,7 @@ def test_sources_module_checkpoint_file_and_wrappers(make_draft, tmp_path):
     from_attr = load_file(str(export_draft(Module(), tmp_path / "from_attr") / "model.safetensors"))
     state = {f"draft._orig_mod.{k}": v for k, v in draft.state_dict().items()}
     state["target.lm_head.weight"] = torch.ones(2)  # not the draft's: ignored
-    ckpt = {"state_dict": state, export_module.CHECKPOINT_CONFIG_KEY: draft.config.to_dict()}
+    ckpt = {"state_dict": state, **_record(draft)}
     torch.save(ckpt, tmp_path / "last.ckpt")
     from_file = load_file(str(export_draft(tmp_path / "last.ckpt", tmp_path / "from_file") / "model.safetensors"))
     for other in (from_attr, from_file):
@@ -293,21 +293,30 @@ def test_k3_export_sorts_unsorted_aux_ids_with_fc_permuted(make_draft, tmp_path)
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["current", "legacy"])
+@pytest.mark.parametrize("layout", ["current", "prefixed", "legacy"])
 def test_a_checkpoint_export_records_its_training_settings(make_draft, tmp_path, layout):
     """``ttt_steps`` / ``step_decay`` are training settings, not draft fields: a checkpoint carries them beside the
-    draft config (older ones inside it) and the export writes them as metadata; the re-import ignores them."""
-    from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY, CHECKPOINT_TRAINING_KEY
+    draft config (older ones inside it, under the family-prefixed keys of the layout before) and the export writes
+    them as metadata; the re-import ignores them."""
+    from lightning_eagle import checkpoint_keys as keys
 
     draft = make_draft()
     settings = {"ttt_steps": 3, "step_decay": 0.5}
     ckpt = {"state_dict": {f"draft.{k}": v for k, v in draft.state_dict().items()}}
     if layout == "current":
-        ckpt |= {CHECKPOINT_CONFIG_KEY: draft.config.to_dict(), CHECKPOINT_TRAINING_KEY: settings}
+        ckpt |= {keys.DRAFT_FAMILY: "eagle3", keys.DRAFT_CONFIG: draft.config.to_dict(), keys.DRAFT_TRAINING: settings}
+    elif layout == "prefixed":
+        ckpt |= {"eagle_draft_config": draft.config.to_dict(), "eagle_training_settings": settings}
     else:
-        ckpt |= {CHECKPOINT_CONFIG_KEY: {**draft.config.to_dict(), **settings}}
+        ckpt |= {"eagle_draft_config": {**draft.config.to_dict(), **settings}}
     out = export_draft(ckpt, tmp_path / "export")
     config = json.loads((out / "config.json").read_text())
     assert (config["ttt_steps"], config["step_decay"]) == (3, 0.5)
     assert not [k for k in REQUIRED_CONFIG if k not in config]
     assert KimiK3Eagle3Draft.from_pretrained(out).config == draft.config
+
+
+def _record(draft) -> dict:
+    from lightning_eagle import checkpoint_keys as keys
+
+    return {keys.DRAFT_FAMILY: "eagle3", keys.DRAFT_CONFIG: draft.config.to_dict()}

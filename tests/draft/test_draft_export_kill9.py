@@ -15,8 +15,8 @@ import torch
 from draft_helpers import tiny_draft
 from safetensors.torch import load_file
 
+from lightning_eagle import checkpoint_keys as keys
 from lightning_eagle.draft import export_draft
-from lightning_eagle.draft.export import CHECKPOINT_CONFIG_KEY
 
 REPO = Path(__file__).resolve().parents[2]
 # The export of the checkpoint, stalled after its weights are written and before the folder takes its name.
@@ -43,7 +43,7 @@ def test_kill_9_during_an_overwriting_export_keeps_the_previous_one(tmp_path):
     new = tiny_draft(seed=2)
     ckpt = tmp_path / "last.ckpt"
     state = {f"draft.{k}": v for k, v in new.state_dict().items()}
-    torch.save({"state_dict": state, CHECKPOINT_CONFIG_KEY: new.config.to_dict()}, ckpt)
+    torch.save({"state_dict": state, keys.DRAFT_FAMILY: "eagle3", keys.DRAFT_CONFIG: new.config.to_dict()}, ckpt)
     marker = tmp_path / "marker"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(ckpt), str(out), str(marker)], env=env,

@@ -124,11 +124,13 @@ def test_refusals_and_overwrite(tmp_path):
 
 def test_a_checkpoint_draft_is_read_as_strictly_as_an_export():
     """Export and checkpoint readers share one strict load: the same tensors back, a missing or reshaped one named."""
-    from lightning_eagle.draft.dspark_export import DSPARK_CHECKPOINT_CONFIG_KEY, dspark_drafter_from_checkpoint
+    from lightning_eagle import checkpoint_keys as keys
+    from lightning_eagle.draft.dspark_export import dspark_drafter_from_checkpoint
 
     model = drafter()
     state = {f"draft.{k}": v for k, v in model.state_dict().items()}
-    checkpoint = {DSPARK_CHECKPOINT_CONFIG_KEY: model.config.to_dict(), "state_dict": {**state, "teacher.x": 0}}
+    checkpoint = {keys.DRAFT_FAMILY: "dspark", keys.DRAFT_CONFIG: model.config.to_dict(),
+                  "state_dict": {**state, "teacher.x": 0}}  # fmt: skip
     loaded = dspark_drafter_from_checkpoint(checkpoint)
     assert loaded.config == model.config
     for name, tensor in model.state_dict().items():

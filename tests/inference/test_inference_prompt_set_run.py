@@ -45,7 +45,12 @@ def test_each_turn_follows_the_targets_own_answer(models, monkeypatch):
         calls.append((list(prompt), out))
         return out
 
-    monkeypatch.setattr(speculative, "speculative_generate", recording)  # the loop the eagle3 family decodes with
+    import dataclasses
+
+    from lightning_eagle.inference.draft_families import DECODING_FAMILIES, decoding_family
+
+    # the loop the eagle3 family decodes with, replaced in its decoding record
+    monkeypatch.setitem(DECODING_FAMILIES, "eagle3", dataclasses.replace(decoding_family("eagle3"), generate=recording))
     report = evaluate_prompt_set(target, draft, SET, tok, max_new_tokens=6, num_draft_tokens=2, temperature=1.0)
     assert len(calls) == 3 and report.num_turns == 3 and report.num_prompts == 2
     first = calls[0][1]
@@ -171,23 +176,27 @@ def test_a_dspark_export_is_measured_with_block_drafting(exported, tmp_path, cap
 
 
 def test_draft_family_is_read_from_the_export(exported, tmp_path):
-    from lightning_eagle.inference.draft_families import DRAFT_FAMILIES, DraftFamily, draft_family, load_draft
+    from lightning_eagle.draft.family import DraftFamily, export_family, register_draft_family, unregister_draft_family
+    from lightning_eagle.inference.draft_families import load_draft
 
     target_dir, draft_dir = exported
     config = json.loads((draft_dir / "config.json").read_text())
-    assert draft_family(config).name == "eagle3"
+    assert export_family(config).name == "eagle3"
     with pytest.raises(ValueError, match="no draft family recognise architectures=\\['DSparkForCausalLM'\\]"):
-        draft_family({"architectures": ["DSparkForCausalLM"]})
+        export_family({"architectures": ["DSparkForCausalLM"]})
     with pytest.raises(ValueError, match="has no config.json"):
         load_draft(tmp_path, None)
-    # a second family plugs in by registration alone, and is picked for its own exports
-    DRAFT_FAMILIES["block"] = DraftFamily("block", lambda c: c.get("architectures") == ["Block"], lambda *a: "drafter")
+    # another family plugs in by registration alone, and is picked for its own exports
+    register_draft_family(DraftFamily(
+        "block", dict, lambda d: False, lambda c: c.get("architectures") == ["Block"], lambda *a: "drafter",
+        lambda *a, **k: None, lambda *a: [], lambda c: None,
+    ))  # fmt: skip
     try:
         (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Block"]}))
         assert load_draft(tmp_path, None) == ("block", "drafter")
-        assert draft_family(config).name == "eagle3"
+        assert export_family(config).name == "eagle3"
     finally:
-        del DRAFT_FAMILIES["block"]
+        unregister_draft_family("block")
 
 
 def test_the_decoding_loop_is_the_familys_and_runs_a_training_draft_in_eval_mode():

@@ -77,13 +77,21 @@ def test_the_run_spec_refuses_by_setting(target, draft, message):
         dspark_run_spec(target, draft)
 
 
-def test_flat_keys_are_refused_by_the_family_class_path_names():
-    dspark = "lightning_eagle.training.dspark_module.DSparkModule"
-    refuse_flat_model_keys({"class_path": dspark, "init_args": {"draft": {"block_chunk": 8, "preset": "k3"}}}, "x")
+def test_flat_keys_are_refused_by_the_family_class_path_names(tmp_path):
+    from lightning_eagle.commands.cli import refuse_flat_settings
+
+    dspark, settings = "lightning_eagle.training.dspark_module.DSparkModule", DSparkModule.settings_groups["draft"]
+    refuse_flat_model_keys({"class_path": dspark, "init_args": {"draft": {"block_chunk": 8, "preset": "k3"}}}, "x",
+                           settings)  # fmt: skip
     with pytest.raises(ValueError, match="model.draft.block_size is now model.draft.config.block_size"):
-        refuse_flat_model_keys({"class_path": dspark, "init_args": {"draft": {"block_size": 7}}}, "x")
+        refuse_flat_model_keys({"class_path": dspark, "init_args": {"draft": {"block_size": 7}}}, "x", settings)
     with pytest.raises(ValueError, match="model.draft.block_chunk is now model.draft.config.block_chunk"):
         refuse_flat_model_keys({"draft": {"block_chunk": 8}}, "x")  # no class path: EAGLE-3's draft settings
+    # the command line reads the draft settings of the family its class path names (short or dotted)
+    for class_path in ("DSparkModule", dspark):
+        refuse_flat_settings(["--model.class_path", class_path, "--model.draft.block_chunk", "8"])
+        with pytest.raises(ValueError, match="model.draft.block_size is now model.draft.config.block_size"):
+            refuse_flat_settings(["--model.class_path", class_path, "--model.draft.block_size", "7"])
 
 
 def _batch(B: int = 2, T: int = 40) -> dict[str, torch.Tensor]:
@@ -189,12 +197,20 @@ def test_resume_from_last_continues_exactly(tmp_path):
 
 
 def test_a_dspark_checkpoint_is_refused_by_an_eagle3_resume_and_back(tmp_path):
+    from lightning_eagle import checkpoint_keys as keys
+
     module = _module("plain")
     record = module.checkpoint_record()
-    with pytest.raises(ValueError, match="not a DSpark run's"):
+    assert record[keys.DRAFT_FAMILY] == "dspark" and set(record) == {keys.DRAFT_FAMILY, keys.DRAFT_CONFIG,
+                                                                     keys.DRAFT_TRAINING}  # fmt: skip
+    with pytest.raises(ValueError, match="names no draft family"):
         module.check_resume({})
-    changed = dict(record["dspark_draft_config"], block_size=7)
+    with pytest.raises(ValueError, match="holds a eagle3 draft and this run trains a dspark draft"):
+        module.check_resume({keys.DRAFT_FAMILY: "eagle3", keys.DRAFT_CONFIG: {}})
+    changed = dict(record[keys.DRAFT_CONFIG], block_size=7)
     with pytest.raises(ValueError, match="block_size: checkpoint 7, this run 4"):
+        module.check_resume({**record, keys.DRAFT_CONFIG: changed})
+    with pytest.raises(ValueError, match="block_size: checkpoint 7, this run 4"):  # the layout before: its own key
         module.check_resume({"dspark_draft_config": changed})
     module.check_resume(record)  # its own record continues
 
