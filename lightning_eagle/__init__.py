@@ -1,9 +1,12 @@
-"""lightning_eagle: train EAGLE-3 speculative-decoding drafts for a frozen Kimi K3 target with PyTorch Lightning.
+"""lightning_eagle: train speculative-decoding drafts for a frozen Kimi K3 target with PyTorch Lightning, in two draft
+families: EAGLE-3 (chains, :class:`Eagle3Module`) and DSpark (blocks, :class:`DSparkModule`). Each family is selected
+by ``model.class_path`` when training and by its checkpoint and export afterwards.
 
 Data flow: ``data`` (chats → tokens + loss masks + vocab map) → ``k3`` (frozen K3, aux hidden states, teacher
-hidden) → ``draft`` (NoPE-MLA gated EAGLE-3 layer) → ``training`` (TTT loss, metrics, LightningModule) →
-``parallel`` (expert-parallel strategy, layout gates) → ``commands`` (every command line); a run's settings are the
-typed groups of :mod:`lightning_eagle.run_settings`.
+hidden) → ``draft`` (the drafts of both families: the NoPE-MLA gated EAGLE-3 layer, the DSpark block drafter) →
+``training`` (each family's objective, metrics and LightningModule; placement asked of ``parallel``: expert-parallel
+strategy, layout gates) → ``commands`` (every command line); a run's settings are the typed groups of
+:mod:`lightning_eagle.run_settings`.
 """
 
 from __future__ import annotations

@@ -63,15 +63,16 @@ def _table_rows(text: str, header: str) -> str:
 
 
 def test_the_docs_name_every_package_and_config():
-    """ARCHITECTURE.md's package map names every package and bottom-layer module; the README's folder table every
-    package and every shipped config (a new one that the docs do not mention fails here)."""
+    """ARCHITECTURE.md's package map names every package and bottom-layer module; the folder table of
+    ``docs/layout.md`` (linked from the README) every package and every shipped config (a new one that the docs do not
+    mention fails here)."""
     package = ROOT / "lightning_eagle"
     packages = {p.name for p in package.iterdir() if (p / "__init__.py").is_file()} - {"configs", "assets"}
     package_map = _table_rows((ROOT / "ARCHITECTURE.md").read_text(), "| Package | Holds |")
     named = set(re.findall(r"`([a-z0-9_]+)/?`", package_map))
     bottom = {name.strip() for layer in _contract_layers()[-2:] for name in re.split(r"[|:]", layer)}
     assert (packages | bottom) - named == set()
-    folders = _table_rows((ROOT / "README.md").read_text(), "| Folder | What |")
+    folders = _table_rows((ROOT / "docs" / "layout.md").read_text(), "| Folder | What |")
     assert {p for p in packages if f"`lightning_eagle/{p}/`" not in folders} == set()
     assert {c.name for c in (package / "configs").glob("*.yaml") if f"`{c.name}`" not in folders} == set()
 

@@ -1,5 +1,5 @@
-"""The K3 drafts: the EAGLE-3 draft (config, model: K3-faithful or the served deepseek_mla variant, TTT attention
-backends, serving export and import) and the DSpark block drafter (config, model, vLLM export)."""
+"""The K3 drafts of both families: the EAGLE-3 draft (config, model: K3-faithful or the served deepseek_mla variant,
+TTT attention backends, serving export and import) and the DSpark block drafter (config, model, vLLM export)."""
 
 from lightning_eagle.draft.cache import TTTCache
 from lightning_eagle.draft.config import Eagle3DraftConfig

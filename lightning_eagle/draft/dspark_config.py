@@ -186,8 +186,9 @@ def check_target_layer_ids(ids: Any, num_target_layers: int | None) -> list[int]
 
 
 # ---- presets -----------------------------------------------------------------------------------------------------
-# The real K3 (`dspark.md`, K3 checklist): 5 layers, 5 taps, block 7, q_lora 1536, kv_lora 512, dims 128/64/128,
-# RoPE/YaRN theta 50000 factor 32 over 32K, Markov rank 256, the target's vocabulary (163840) and width (7168).
+# The real K3 (`dspark.md`, "K3-specific implementation checklist"): 5 layers, 5 taps, block 7, q_lora 1536,
+# kv_lora 512, dims 128/64/128, RoPE/YaRN theta 50000 factor 32 over 32K, Markov rank 256, the target's vocabulary
+# (163840) and width (7168).
 # The taps spread over [1, L - 4] like EAGLE-3's defaults; intermediate_size is DeepSeek-V3's dense width (a choice).
 K3_YARN = {
     "type": "yarn",

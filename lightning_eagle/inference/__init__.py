@@ -1,5 +1,5 @@
-"""Speculative-decoding inference for K3 drafts: incremental target, draft runner, lossless loops (EAGLE-3 chains,
-DSpark blocks), acceptance.
+"""Speculative-decoding inference for K3 drafts of both families: incremental target, draft runner, lossless loops
+(EAGLE-3 chains, DSpark blocks), acceptance. A draft's family is read from its export.
 
 Public API (stable): :func:`speculative_generate`, :func:`evaluate_acceptance`, :func:`evaluate_prompt_set` (a
 standard prompt set decoded turn by turn; both decode with the loop of the draft's family), and for DSpark drafters

@@ -241,7 +241,7 @@ def per_rank_memory_report(
 
 
 def memory_table(config: KimiK3TextConfig, ep_sizes: list[int], dtype: torch.dtype = torch.bfloat16) -> str:
-    """Markdown table of :func:`per_rank_memory_report` for several EP sizes (README "Scaling out")."""
+    """Markdown table of :func:`per_rank_memory_report` for several EP sizes (`docs/scaling.md`)."""
     dt = str(dtype).removeprefix("torch.")
     shapes = target_shapes(config)
     rows = [

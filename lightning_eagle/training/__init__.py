@@ -1,5 +1,7 @@
-"""EAGLE-3 training math: shift, teacher, loss, the TTT unroll and its metrics (the LightningModule lives in
-``training/module.py``)."""
+"""Draft training for both families. Exported here: the EAGLE-3 math (shift, teacher, loss, the TTT unroll and its
+metrics). The DSpark block objective lives in the ``dspark_*`` modules; the LightningModules are ``Eagle3Module``
+(``training/module.py``) and ``DSparkModule`` (``training/dspark_module.py``), over what they share
+(``training/draft_training.py``)."""
 
 from typing import TYPE_CHECKING
 
