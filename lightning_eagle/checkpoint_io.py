@@ -5,14 +5,16 @@ truncated ``last.ckpt`` that ``--ckpt_path last`` then picks up and fails on wit
 :class:`AtomicCheckpointIO` writes through :func:`lightning_eagle.atomic.atomic_file` instead, and turns an
 unreadable checkpoint into one :class:`CheckpointLoadError` that names the file and what to do.
 
-``Eagle3Module`` installs it on the trainer's strategy at ``setup`` unless the trainer was given another
-``CheckpointIO`` plugin (an FSDP-sharded draft saves a distributed checkpoint folder, which does not use it).
+Every draft-training module installs it on the trainer's strategy at ``setup`` unless the trainer was given another
+``CheckpointIO`` plugin (an FSDP-sharded draft saves a distributed checkpoint folder, which does not use it: read one
+with :func:`load_dcp_checkpoint`).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -76,3 +78,41 @@ def load_checkpoint_file(path: str | os.PathLike, map_location: Any = None, weig
             f"'state_dict', got {got}"
         )
     return checkpoint
+
+
+LIGHTNING_DCP_RECORD = "meta.pt"  # Lightning's ModelParallelStrategy saves the non-tensor entries here
+
+
+def load_dcp_checkpoint(folder: str | os.PathLike) -> dict:
+    """A DCP checkpoint folder (an FSDP2-sharded draft's run with ``save_distributed_checkpoint``) consolidated into
+    one checkpoint dict (single process, ``dcp_to_torch_save``), with Lightning's record of the run (``meta.pt``:
+    the draft config, target fingerprint, …) when the folder has it."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = Path(folder)
+    if not (folder / ".metadata").is_file():
+        raise CheckpointLoadError(f"export source {str(folder)!r} is a folder but not a sharded checkpoint (no "
+                                  f".metadata): {_what_folder_is(folder)}")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "consolidated.pt"
+        try:
+            dcp_to_torch_save(str(folder), str(target))
+        except (AssertionError, RuntimeError, OSError, ValueError, EOFError) as exc:
+            raise CheckpointLoadError(f"sharded checkpoint {str(folder)!r} cannot be read: {exc}") from exc
+        checkpoint = torch.load(target, map_location="cpu", weights_only=False)
+    record = folder / LIGHTNING_DCP_RECORD
+    if record.is_file():
+        checkpoint = {**torch.load(record, map_location="cpu", weights_only=False), **checkpoint}
+    return checkpoint
+
+
+def _what_folder_is(folder: Path) -> str:
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        return "it is empty"
+    if "config.json" in names and any(n.endswith(".safetensors") for n in names):
+        return "it looks like an export (config.json + safetensors); export reads a checkpoint written by fit"
+    found = sorted(str(p.relative_to(folder)) for p in folder.rglob("*.ckpt"))
+    if found:
+        return f"it holds checkpoints: pass one of them ({', '.join(found[:4])}{', …' if len(found) > 4 else ''})"
+    return f"it holds {', '.join(names[:5])}{', …' if len(names) > 5 else ''}"

@@ -12,8 +12,7 @@ from lightning_eagle.dtypes import DTYPES
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lightning_eagle.checkpoint_io import load_checkpoint_file
-    from lightning_eagle.draft.export import load_dcp_checkpoint
+    from lightning_eagle.checkpoint_io import load_checkpoint_file, load_dcp_checkpoint
     from lightning_eagle.draft.family import checkpoint_family
 
     parser = CommandParser(prog="lightning-eagle export", description="Write a trained draft in its serving layout.")

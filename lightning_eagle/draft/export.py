@@ -10,7 +10,7 @@ one-based aux ids). The engines feed that draft the target's *prefix* aux stream
 Sources: a :class:`KimiK3Eagle3Draft`, anything with a ``.draft`` attribute (the Lightning module), a ``torch.save``'d
 checkpoint file (``{"state_dict": {"draft.…": …}, CHECKPOINT_CONFIG_KEY: config dict, …}``), or a DCP checkpoint
 folder (converted single-process with ``dcp_to_torch_save``, the way ``lightning_notes.md`` §7 verified, with the
-run's record from Lightning's ``meta.pt``: :func:`load_dcp_checkpoint`). The write is
+run's record from Lightning's ``meta.pt``: :func:`~lightning_eagle.checkpoint_io.load_dcp_checkpoint`). The write is
 atomic: everything goes to a temporary sibling folder that is renamed into place only after every check passed.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from safetensors.torch import save_file
 
 from lightning_eagle import checkpoint_keys as keys
 from lightning_eagle.atomic import atomic_dir, weights_folder_problem
-from lightning_eagle.checkpoint_io import CheckpointLoadError, load_checkpoint_file
+from lightning_eagle.checkpoint_io import load_checkpoint_file, load_dcp_checkpoint
 from lightning_eagle.draft import serving_format as fmt
 from lightning_eagle.draft.config import TRAINING_SETTINGS, Eagle3DraftConfig
 from lightning_eagle.draft.family import DraftFamily, checkpoint_family, register_draft_family
@@ -119,44 +118,6 @@ def _resolve_source(source: Any, config: Eagle3DraftConfig | None) -> tuple[dict
     raise FileNotFoundError(f"export source {source!r} is neither a draft module nor an existing checkpoint")
 
 
-LIGHTNING_DCP_RECORD = "meta.pt"  # Lightning's ModelParallelStrategy saves the non-tensor entries here
-
-
-def load_dcp_checkpoint(folder: str | os.PathLike) -> dict:
-    """A DCP checkpoint folder (an FSDP2-sharded draft's run with ``save_distributed_checkpoint``) consolidated into
-    one checkpoint dict (single process, ``dcp_to_torch_save``), with Lightning's record of the run (``meta.pt``:
-    the draft config, target fingerprint, …) when the folder has it."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    folder = Path(folder)
-    if not (folder / ".metadata").is_file():
-        raise CheckpointLoadError(f"export source {str(folder)!r} is a folder but not a sharded checkpoint (no "
-                                  f".metadata): {_what_folder_is(folder)}")  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / "consolidated.pt"
-        try:
-            dcp_to_torch_save(str(folder), str(target))
-        except (AssertionError, RuntimeError, OSError, ValueError, EOFError) as exc:
-            raise CheckpointLoadError(f"sharded checkpoint {str(folder)!r} cannot be read: {exc}") from exc
-        checkpoint = torch.load(target, map_location="cpu", weights_only=False)
-    record = folder / LIGHTNING_DCP_RECORD
-    if record.is_file():
-        checkpoint = {**torch.load(record, map_location="cpu", weights_only=False), **checkpoint}
-    return checkpoint
-
-
-def _what_folder_is(folder: Path) -> str:
-    names = sorted(p.name for p in folder.iterdir())
-    if not names:
-        return "it is empty"
-    if fmt.CONFIG_NAME in names and any(n.endswith(".safetensors") for n in names):
-        return "it looks like an export (config.json + safetensors); export reads a checkpoint written by fit"
-    found = sorted(str(p.relative_to(folder)) for p in folder.rglob("*.ckpt"))
-    if found:
-        return f"it holds checkpoints: pass one of them ({', '.join(found[:4])}{', …' if len(found) > 4 else ''})"
-    return f"it holds {', '.join(names[:5])}{', …' if len(names) > 5 else ''}"
-
-
 def _from_checkpoint_dict(ckpt: dict, config: Eagle3DraftConfig | None) -> tuple[dict, Eagle3DraftConfig, dict | None]:
     family = checkpoint_family(ckpt, required=False)  # None: a bare state dict (``config`` names its draft)
     if family is not None and family.name != EAGLE3:
@@ -211,5 +172,7 @@ register_draft_family(DraftFamily(
     name=EAGLE3, config_type=Eagle3DraftConfig, is_draft=lambda draft: isinstance(draft, KimiK3Eagle3Draft),
     recognizes=_recognizes, load_export=_load_export, export=_export, serve_lines=fmt.serving_instructions,
     taps=lambda config: getattr(config, "aux_layer_ids", None), legacy_config_keys=("eagle_draft_config",),
-    layers=("lightning_eagle.training.module", "lightning_eagle.inference.eagle3_decoding"), default=True,
+    layers=("lightning_eagle.training.module", "lightning_eagle.inference.eagle3_decoding",
+            "lightning_eagle.planning.eagle3_plan"), default=True,
+    resumable_fields=("draft_vocab_size", *TRAINING_SETTINGS),
 ))  # fmt: skip

@@ -9,13 +9,18 @@ by the family's name (the LightningModule: :class:`~lightning_eagle.training.dra
 
 Shared code looks a family up — by name (a checkpoint's :data:`~lightning_eagle.checkpoint_keys.DRAFT_FAMILY`), by a
 draft object, by an export's ``config.json`` — and never names one. A new family registers its record with
-:func:`register_draft_family`; nothing else in the library changes.
+:func:`register_draft_family`; nothing else in the library changes. A family outside this package is found by the
+commands when its module is imported: named in the environment variable :data:`FAMILY_MODULES_ENV`
+(``LIGHTNING_EAGLE_FAMILIES=my_pkg.my_family``, comma-separated) or declared by an installed package under the
+entry-point group :data:`FAMILY_ENTRY_POINTS` (``[project.entry-points."lightning_eagle.families"]``).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +44,8 @@ class DraftFamily:
     the 0-based target layers the draft reads. ``legacy_config_keys``: where checkpoints written before the shared
     :data:`~lightning_eagle.checkpoint_keys.DRAFT_CONFIG` key held this family's config. ``layers``: the modules that
     register the family's records in the layers above this one. ``default``: the family of a run config that names
-    no ``model.class_path`` (one family is).
+    no ``model.class_path`` (one family is). ``resumable_fields``: config fields a resume may see differ (set by the
+    data or the training settings, or held by checkpoints of an older layout), never an architecture change.
     """
 
     name: str
@@ -53,9 +59,12 @@ class DraftFamily:
     legacy_config_keys: tuple[str, ...] = ()
     layers: tuple[str, ...] = field(default=())
     default: bool = False
+    resumable_fields: tuple[str, ...] = ()
 
 
 DRAFT_FAMILIES: dict[str, DraftFamily] = {}
+FAMILY_MODULES_ENV = "LIGHTNING_EAGLE_FAMILIES"
+FAMILY_ENTRY_POINTS = "lightning_eagle.families"
 
 
 def register_draft_family(family: DraftFamily) -> DraftFamily:
@@ -86,8 +95,23 @@ def default_family() -> DraftFamily:
     return load_family_layers(family)
 
 
+def load_plugin_families() -> None:
+    """Import the family modules of :data:`FAMILY_MODULES_ENV` and of installed packages' :data:`FAMILY_ENTRY_POINTS`
+    (each registers its records when imported); a module that does not import is an ``ImportError`` naming it."""
+    names = [n.strip() for n in os.environ.get(FAMILY_MODULES_ENV, "").split(",") if n.strip()]
+    names += [entry.value for entry in importlib.metadata.entry_points(group=FAMILY_ENTRY_POINTS)]
+    for name in names:
+        try:
+            importlib.import_module(name.split(":")[0])
+        except ImportError as err:
+            raise ImportError(f"draft family module {name!r} (from {FAMILY_MODULES_ENV} or the "
+                              f"{FAMILY_ENTRY_POINTS!r} entry points) does not import: {err}") from err  # fmt: skip
+
+
 def load_all_families() -> dict[str, DraftFamily]:
-    """Every registered family with its upper layers loaded (a run config names a family's module by class name)."""
+    """Every family (the built-in ones and :func:`load_plugin_families`'s) with its upper layers loaded (a run
+    config may name a family's module by its class name alone)."""
+    load_plugin_families()
     for family in list(DRAFT_FAMILIES.values()):
         load_family_layers(family)
     return DRAFT_FAMILIES
@@ -96,16 +120,17 @@ def load_all_families() -> dict[str, DraftFamily]:
 def draft_family_named(name: object, source: str = "the checkpoint") -> DraftFamily:
     """The family registered as ``name`` (its upper layers loaded); an unknown one is a ``ValueError`` naming it."""
     if name not in DRAFT_FAMILIES:
+        load_plugin_families()
+    if name not in DRAFT_FAMILIES:
         raise ValueError(
-            f"{source}: draft family {name!r} is not registered (known: {', '.join(sorted(DRAFT_FAMILIES))}); import "
-            "the module that registers it first"
+            f"{source}: draft family {name!r} is not registered (known: {', '.join(sorted(DRAFT_FAMILIES))}); name "
+            f"the module that registers it in {FAMILY_MODULES_ENV} or install the package that declares it"
         )
     return load_family_layers(DRAFT_FAMILIES[name])
 
 
 def draft_family_of(draft: Any) -> DraftFamily | None:
-    """The family of a built draft (or of a module holding one as ``.draft``); None when no family claims it."""
-    draft = getattr(draft, "draft", draft)
+    """The family of a built draft; None when no family claims it."""
     matches = [f for f in DRAFT_FAMILIES.values() if f.is_draft(draft)]
     return load_family_layers(matches[0]) if len(matches) == 1 else None
 
@@ -115,7 +140,7 @@ def family_of_draft(draft: Any, what: str = "the draft") -> DraftFamily:
     family = draft_family_of(draft)
     if family is None:
         raise TypeError(
-            f"{what} ({type(getattr(draft, 'draft', draft)).__name__}) belongs to no registered draft family "
+            f"{what} ({type(draft).__name__}) belongs to no registered draft family "
             f"(known: {', '.join(sorted(DRAFT_FAMILIES))})"
         )
     return family
@@ -138,6 +163,9 @@ def export_config(folder: str | Path) -> dict[str, Any]:
 def export_family(config_json: dict[str, Any], source: str = "config.json") -> DraftFamily:
     """The one registered family that recognises an export's ``config_json``; none or several is a ``ValueError``."""
     matches = [f for f in DRAFT_FAMILIES.values() if f.recognizes(config_json)]
+    if not matches:
+        load_plugin_families()
+        matches = [f for f in DRAFT_FAMILIES.values() if f.recognizes(config_json)]
     if len(matches) != 1:
         found = "no draft family" if not matches else "several draft families (" + ", ".join(f.name for f in matches)
         raise ValueError(

@@ -42,9 +42,9 @@ from collections.abc import Iterable
 import torch
 
 from lightning_eagle.draft.dspark import DSparkContextCache, DSparkDrafter
+from lightning_eagle.draft.dspark_config import check_target_layer_ids
 from lightning_eagle.draft.dspark_export import DSPARK
-from lightning_eagle.inference.aux_ids import resolve_block_taps
-from lightning_eagle.inference.draft_families import DecodingFamily, register_decoding_family
+from lightning_eagle.inference.decoding_family import DecodingFamily, register_decoding_family
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, TargetStep
 from lightning_eagle.inference.sampling import pick_token, verify_drafts
 from lightning_eagle.inference.speculative import (
@@ -67,6 +67,29 @@ def check_drafter(target, drafter) -> tuple[list[int], str]:
             "embedding and lm_head, cast one to the other's dtype"
         )
     return ids, stream
+
+
+def resolve_block_taps(target, config) -> tuple[list[int], str]:
+    """``(target_layer_ids, aux_stream)`` of a DSpark drafter's ``config``
+    (:class:`~lightning_eagle.draft.dspark_config.DSparkDraftConfig`) on ``target``, after checking what must agree
+    before any block is drafted; raises ``ValueError`` naming the mismatch."""
+    tc, L = target.config, target.config.num_hidden_layers
+    if config.vocab_size != tc.vocab_size:
+        raise ValueError(
+            f"DSpark drafter vocab_size {config.vocab_size} != target vocab_size {tc.vocab_size} (the drafter uses the "
+            "target's embedding and lm_head)"
+        )
+    if config.target_hidden_size != tc.hidden_size:
+        raise ValueError(
+            f"DSpark drafter target_hidden_size {config.target_hidden_size} != target hidden_size {tc.hidden_size}"
+        )
+    trained_for = config.target_num_hidden_layers
+    if trained_for is not None and trained_for != L:
+        raise ValueError(
+            f"the DSpark drafter was built for a {trained_for}-layer target (target_layer_ids "
+            f"{list(config.target_layer_ids)}), but this target has {L} layers"
+        )
+    return check_target_layer_ids(config.target_layer_ids, L), config.aux_hidden_state_stream
 
 
 def check_num_draft_tokens(num_draft_tokens: int | None, block_size: int) -> int:

@@ -1,13 +1,15 @@
-"""EAGLE-3's decoding record: chain drafting (:func:`~lightning_eagle.inference.speculative_generate`), K = the
-``ttt_steps`` the export records it was trained with (else :data:`~lightning_eagle.inference.speculative.
-DEFAULT_NUM_DRAFT_TOKENS`)."""
+"""EAGLE-3's decoding record: chain drafting (:func:`~lightning_eagle.inference.speculative_generate`) with a
+:class:`~lightning_eagle.inference.draft_runner.DraftRunner` over the draft model, K = the ``ttt_steps`` the export
+records it was trained with (else :data:`~lightning_eagle.inference.speculative.DEFAULT_NUM_DRAFT_TOKENS`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from lightning_eagle.draft.export import EAGLE3
-from lightning_eagle.inference.draft_families import DecodingFamily, register_decoding_family
+from lightning_eagle.inference.aux_ids import resolve_inference_aux
+from lightning_eagle.inference.decoding_family import DecodingFamily, register_decoding_family
+from lightning_eagle.inference.draft_runner import DraftRunner
 from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS, speculative_generate
 
 
@@ -17,4 +19,25 @@ def trained_steps(draft: Any) -> int:
     return int(training.get("ttt_steps") or DEFAULT_NUM_DRAFT_TOKENS)
 
 
-register_decoding_family(DecodingFamily(EAGLE3, speculative_generate, trained_steps))
+def check_draft_fits_target(target, draft) -> None:
+    """Shapes that must agree before any token is drafted (a mismatch would silently draft garbage)."""
+    tc, dc = target.config, draft.config
+    if dc.vocab_size != tc.vocab_size:
+        raise ValueError(f"draft vocab_size {dc.vocab_size} != target vocab_size {tc.vocab_size}")
+    expected = dc.num_aux_hidden_states * tc.hidden_size
+    if draft.fc.in_features != expected:
+        raise ValueError(
+            f"draft fc expects {draft.fc.in_features} aux features, the target gives "
+            f"{dc.num_aux_hidden_states}×{tc.hidden_size} = {expected}"
+        )
+
+
+def draft_runner(target, draft, aux_layer_ids: list[int] | None):
+    """``(DraftRunner, aux_layer_ids, aux_stream)`` of an EAGLE-3 draft model on ``target`` (checked first; a draft
+    loaded without its frozen embedding gets the target's)."""
+    check_draft_fits_target(target, draft)
+    ids, stream = resolve_inference_aux(target, draft.config, aux_layer_ids)
+    return DraftRunner(draft, target), ids, stream
+
+
+register_decoding_family(DecodingFamily(EAGLE3, speculative_generate, trained_steps, draft_runner))

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_eagle.inference.aux_ids import check_draft_fits_target, resolve_inference_aux
-from lightning_eagle.inference.draft_runner import DraftRunner
+from lightning_eagle.inference.aux_ids import resolve_inference_aux
+from lightning_eagle.inference.decoding_family import family_of
 from lightning_eagle.inference.incremental_target import (
     DEFAULT_PREFILL_CHUNK,
     IncrementalTarget,
@@ -166,16 +166,17 @@ def check_generation_settings(
 
 
 def as_drafter(target, draft, aux_layer_ids: list[int] | None):
-    """``(drafter, aux_layer_ids, aux_stream)`` for a draft model or any object with the Drafter methods. A draft
-    loaded without its frozen embedding gets the target's here (every entry point with both models passes here)."""
-    if hasattr(draft, "midlayer") and hasattr(draft, "config"):
-        check_draft_fits_target(target, draft)
-        ids, stream = resolve_inference_aux(target, draft.config, aux_layer_ids)
-        return DraftRunner(draft, target), ids, stream
+    """``(drafter, aux_layer_ids, aux_stream)`` for a draft model (its family's ``drafter`` adapter, which also gives
+    a draft loaded without its frozen embedding the target's) or any object with the Drafter methods."""
+    family = family_of(draft)
+    if family is not None and family.drafter is not None:
+        return family.drafter(target, draft, aux_layer_ids)
     if all(hasattr(draft, name) for name in ("reset", "extend", "propose")):
         ids, stream = resolve_inference_aux(target, draft, aux_layer_ids)
         return draft, ids, stream
-    raise TypeError(f"draft must be a KimiK3Eagle3Draft or implement reset/extend/propose, got {type(draft).__name__}")
+    raise TypeError(
+        f"draft must be a chain family's draft model or implement reset/extend/propose, got {type(draft).__name__}"
+    )
 
 
 def cut_at_stop(tokens: list[int], stop: set[int]) -> tuple[list[int], bool]:

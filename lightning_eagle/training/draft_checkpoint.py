@@ -14,7 +14,6 @@ import torch
 from lightning.fabric.utilities.seed import _collect_rng_states
 
 from lightning_eagle import checkpoint_keys as keys
-from lightning_eagle.draft.config import TRAINING_SETTINGS
 from lightning_eagle.draft.family import checkpoint_family
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.training.resume import rng_states_to_checkpoint
@@ -89,10 +88,10 @@ def checkpoint_extras(module, micro_batch_rows: int | None) -> dict[str, Any]:
 def check_resume(module, checkpoint: dict[str, Any]) -> None:
     """Refuse a checkpoint of another family, target, draft architecture or sharding (its keys are brought to the
     shared layout first: :func:`~lightning_eagle.draft.family.checkpoint_family`)."""
-    family = checkpoint_family(checkpoint).name
-    if family != module.family:
+    family = checkpoint_family(checkpoint)
+    if family.name != module.family:
         raise ValueError(
-            f"the checkpoint holds a {family} draft and this run trains a {module.family} draft "
+            f"the checkpoint holds a {family.name} draft and this run trains a {module.family} draft "
             f"({type(module).__name__}): resume it with the model.class_path that wrote it, or start a new run"
         )
     saved = checkpoint.get(keys.TARGET_FINGERPRINT)
@@ -101,7 +100,7 @@ def check_resume(module, checkpoint: dict[str, Any]) -> None:
             f"the checkpoint was trained against another target (config fingerprint {saved}, this target "
             f"{module.target_spec.fingerprint} at {module.target_spec.path})"
         )
-    refuse_another_draft(checkpoint.get(keys.DRAFT_CONFIG), module.draft_config.to_dict())
+    refuse_another_draft(checkpoint.get(keys.DRAFT_CONFIG), module.draft_config.to_dict(), family.resumable_fields)
     saved_sharded, shard = checkpoint.get(keys.DRAFT_SHARDED, False), getattr(module.draft_settings, "shard", False)
     if saved_sharded != shard:
         raise ValueError(
@@ -111,16 +110,15 @@ def check_resume(module, checkpoint: dict[str, Any]) -> None:
         )
 
 
-def refuse_another_draft(saved: dict[str, Any] | None, ours: dict[str, Any]) -> None:
+def refuse_another_draft(saved: dict[str, Any] | None, ours: dict[str, Any], resumable: tuple[str, ...] = ()) -> None:
     """A resume continues the checkpoint's draft: any architecture field (layer type, sizes, aux taps and stream,
     norms, …) that differs is refused with both values (loading is not strict, so a changed architecture would
     otherwise restore what fits and silently switch the run's, and its export's, layer)."""
     if saved is None:
         return
-    # set by the data / training settings that checkpoints written before they left the draft config hold there
-    training_only = {"draft_vocab_size", *TRAINING_SETTINGS}
-    keys = sorted(saved, key=lambda k: (k != "architecture", k))  # the layer type first: it explains the rest
-    changed = {k: (saved[k], ours.get(k)) for k in keys if k not in training_only and saved[k] != ours.get(k)}
+    # `resumable`: the family's fields set by the data / training settings (or that older checkpoints hold there)
+    names = sorted(saved, key=lambda k: (k != "architecture", k))  # the layer type first: it explains the rest
+    changed = {k: (saved[k], ours.get(k)) for k in names if k not in resumable and saved[k] != ours.get(k)}
     if changed:
         listed = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in changed.items())
         raise ValueError(

@@ -47,7 +47,7 @@ def test_each_turn_follows_the_targets_own_answer(models, monkeypatch):
 
     import dataclasses
 
-    from lightning_eagle.inference.draft_families import DECODING_FAMILIES, decoding_family
+    from lightning_eagle.inference.decoding_family import DECODING_FAMILIES, decoding_family
 
     # the loop the eagle3 family decodes with, replaced in its decoding record
     monkeypatch.setitem(DECODING_FAMILIES, "eagle3", dataclasses.replace(decoding_family("eagle3"), generate=recording))
