@@ -1280,8 +1280,8 @@ def section_dspark_vllm(device: torch.device, vllm_python: str | None) -> list[d
 # ---- dspark_memory ------------------------------------------------------------------------------------------------
 def section_dspark_memory(device: torch.device) -> list[dict]:
     from lightning_eagle.draft.dspark_config import dspark_config_from_preset
+    from lightning_eagle.planning.dspark_census import dspark_step_census
     from lightning_eagle.run_settings import DSparkDraftSettings, DSparkObjectiveSettings
-    from lightning_eagle.training.dspark_memory import dspark_step_census
 
     cuda = device.type == "cuda"
     config = dspark_config_from_preset("k3", num_hidden_layers=2) if cuda else dspark_config_from_preset("k3-tiny")

@@ -11,7 +11,7 @@ K = 7) with every long-context mechanism on (``LONG``). A fresh subprocess per T
 step at a short T (gradients and AdamW states allocated, kernels warmed), then measures one whole training step at
 T — target forward, teacher, the K-step TTT unroll with its backward, the grad-norm pass and the optimizer step — as
 the peak-RSS growth over the resident bytes (weights, gradients, optimizer states), with
-:mod:`lightning_eagle.parallel.memory_plan.cpu_probe`. The table gives each peak, its ratio to the first T (linear
+:mod:`lightning_eagle.planning.cpu_probe`. The table gives each peak, its ratio to the first T (linear
 memory: 16384 vs 2048 at most 8.5x), and the plan's prediction (``device="cpu"``) with its error.
 
 **Time.** Best of ``--repeats`` whole training steps after a warm-up, fresh subprocess per (settings, T): ``TODAY``
@@ -54,8 +54,9 @@ LONG = {
 def plan_inputs(spec: dict, T: int):
 
     from lightning_eagle.draft import Eagle3DraftConfig
+    from lightning_eagle.draft.export import EAGLE3
     from lightning_eagle.k3 import config_from_name
-    from lightning_eagle.parallel.memory_plan import PlanInputs
+    from lightning_eagle.planning import PlanInputs
     from lightning_eagle.run_settings import DraftSettings, ObjectiveSettings, TargetSettings
 
     target = config_from_name("k3-tiny", **TARGET)
@@ -63,7 +64,7 @@ def plan_inputs(spec: dict, T: int):
         target, **DRAFT, aux_layer_ids=spec["aux"], draft_vocab_size=spec["N_d"]
     )  # fmt: skip
     return PlanInputs(
-        target=target, draft=draft,
+        target=target, draft=draft, family=EAGLE3,
         target_settings=TargetSettings(dtype=spec["dtype"], expert_storage=spec["storage"],
                                        token_chunk=spec["target_token_chunk"], aux_layer_ids=tuple(spec["aux"])),
         draft_settings=DraftSettings(dtype=spec["dtype"], attention_backend=spec["backend"],
@@ -82,6 +83,7 @@ def build(spec: dict, T: int):
     from lightning_eagle.draft import KimiK3Eagle3Draft
     from lightning_eagle.k3 import KimiK3ForCausalLM
     from lightning_eagle.k3.model import set_token_chunk
+    from lightning_eagle.planning.eagle3_unroll_forward import ttt_attention_backend
     from lightning_eagle.training.shift import shift_left
     from lightning_eagle.training.ttt import checkpointed_draft_step, draft_step, ttt_loss
 
@@ -89,8 +91,8 @@ def build(spec: dict, T: int):
     target = KimiK3ForCausalLM(inputs.target, expert_storage=inputs.expert_storage).init_weights(0)
     target = target.cast_to(inputs.target_dtype).freeze()
     set_token_chunk(target, inputs.target_token_chunk)
-    draft = KimiK3Eagle3Draft(inputs.draft, attention_backend=inputs.attention_backend)
-    draft.ttt_kv_cache = inputs.ttt_kv_cache
+    draft = KimiK3Eagle3Draft(inputs.draft, attention_backend=ttt_attention_backend(inputs))
+    draft.ttt_kv_cache = inputs.draft_settings.ttt_kv_cache
     draft.copy_embeddings_from(target.model.embed_tokens.weight)
     draft = draft.to(inputs.draft_dtype)
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95))
@@ -105,7 +107,7 @@ def build(spec: dict, T: int):
         out = ttt_loss(
             draft, shift_left(ids), ones, shift_left(ones), cap.aux_hidden_states,
             final_hidden=shift_left(cap.final_hidden), lm_head_weight=target.lm_head.weight,
-            ttt_steps=inputs.ttt_steps, draft_step_fn=step_fn, loss_backend=inputs.loss_backend,
+            ttt_steps=inputs.objective.ttt_steps, draft_step_fn=step_fn, loss_backend=inputs.loss_backend,
             loss_chunk=inputs.loss_chunk,
         )  # fmt: skip
         del cap
@@ -123,7 +125,7 @@ def measure_memory(spec: dict, T: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from lightning_eagle.parallel.memory_plan.cpu_probe import peak, reset_peak, rss
+    from lightning_eagle.planning.cpu_probe import peak, reset_peak, rss
 
     step = build(spec, T)
     step(spec["warmup_T"])
@@ -180,7 +182,7 @@ def measure_attention(spec: dict, T: int, repeats: int) -> dict:
 
 
 def run_isolated(kind: str, name: str, T: int, repeats: int = 1) -> dict:
-    from lightning_eagle.parallel.memory_plan.cpu_probe import PROBE_ENV
+    from lightning_eagle.planning.cpu_probe import PROBE_ENV
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if kind == "memory":
@@ -195,7 +197,7 @@ def run_isolated(kind: str, name: str, T: int, repeats: int = 1) -> dict:
 
 # ---- the tables ------------------------------------------------------------------------------------------------------
 def memory_table(lengths: list[int]) -> list[dict]:
-    from lightning_eagle.parallel.memory_plan import build_plan
+    from lightning_eagle.planning import build_plan
 
     rows = []
     for T in lengths:

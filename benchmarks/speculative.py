@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from lightning_eagle.data.prompts import bundled_held_out_prompts
-    from lightning_eagle.inference import evaluate_acceptance
+    from lightning_eagle.inference import DecodingSettings, evaluate_acceptance
 
     torch.set_num_threads(args.threads)
     target, draft = load(args.target, args.draft)
@@ -90,14 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for temperature in args.temperatures:
         for k in args.ks:
-            report = evaluate_acceptance(
-                target,
-                draft,
-                prompts,
-                max_new_tokens=args.max_new_tokens,
-                num_draft_tokens=k,
-                temperature=temperature,
-            )
+            decoding = DecodingSettings(max_new_tokens=args.max_new_tokens, num_draft_tokens=k, temperature=temperature)
+            report = evaluate_acceptance(target, draft, prompts, decoding)
             rows.append({"report": report})
     print(table(rows))
 

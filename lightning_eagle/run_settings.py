@@ -302,11 +302,6 @@ FLAT_MODEL_KEYS = {
 }  # fmt: skip
 
 
-def is_dspark_class_path(class_path: object) -> bool:
-    """Whether a ``model.class_path`` names the DSpark family (its full or short class name)."""
-    return isinstance(class_path, str) and class_path.rpartition(".")[2] == "DSparkModule"
-
-
 def refuse_flat_model_keys(
     model: Mapping[str, Any] | None, where: str, draft_settings: type | None = DraftSettings
 ) -> None:

@@ -7,8 +7,9 @@ import dataclasses
 
 import torch
 
+from lightning_eagle.draft.export import EAGLE3
 from lightning_eagle.parallel.layout import ParallelLayout
-from lightning_eagle.parallel.memory_plan import PlanInputs
+from lightning_eagle.planning import PlanInputs
 from lightning_eagle.run_settings import DraftSettings, ObjectiveSettings, TargetSettings
 
 PLACES = {
@@ -43,7 +44,7 @@ def plan_with(inputs: PlanInputs, **flat) -> PlanInputs:
 
 
 def flat_plan_inputs(target, draft, **flat) -> PlanInputs:
-    base = PlanInputs(target=target, draft=draft, layout=ParallelLayout(world_size=1),
+    base = PlanInputs(target=target, draft=draft, family=EAGLE3, layout=ParallelLayout(world_size=1),
                       target_settings=TargetSettings(), draft_settings=DraftSettings(),
                       objective=ObjectiveSettings())  # fmt: skip
     return plan_with(base, **{**TEST_DEFAULTS, **flat})

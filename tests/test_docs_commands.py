@@ -5,7 +5,7 @@ Commands are read from the shell blocks (```` ```bash ````) and the inline code 
 ``docs/*.md``: ``python cli.py …``, ``lightning-eagle …``, ``python -m lightning_eagle.commands[.X] …`` (also after
 ``torchrun … -m``), and ``python benchmarks/X.py`` (the script exists).
 
-* ``fit`` / ``validate`` / ``test`` / ``predict``: the ``lightning-eagle`` LightningCLI parser (:class:`Eagle3CLI` with
+* ``fit`` / ``validate`` / ``test`` / ``predict``: the ``lightning-eagle`` LightningCLI parser (:class:`RunCLI` with
   the run classes of the words, the flat-key refusal and the packaged config names first, as ``cli.main`` does), built
   and asked to parse only: no model, data module or trainer is made, nothing runs; ``--config`` files must exist.
 * the other subcommands (``export``, ``dump``, ``data-report``, ``regenerate``, ``memory-plan``, ``acceptance``) and the
@@ -31,7 +31,7 @@ import pytest
 from lightning_eagle.commands.arguments import CommandParser, RunParser, option_strings
 from lightning_eagle.commands.cli import (
     COMMANDS,
-    Eagle3CLI,
+    RunCLI,
     refuse_flat_settings,
     resolve_packaged_configs,
     run_classes,
@@ -106,7 +106,7 @@ COMMANDS_SHOWN = _commands()
 
 
 # ---- the project's parsers, asked to parse only ----------------------------------------------------------------------
-class _ParseOnlyCLI(Eagle3CLI):
+class _ParseOnlyCLI(RunCLI):
     """The ``lightning-eagle`` LightningCLI that builds its parser and stops: no parsing, seed or instantiation here."""
 
     def parse_arguments(self, parser, args) -> None:

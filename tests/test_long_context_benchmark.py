@@ -19,7 +19,7 @@ def _load():
 
 
 def test_benchmark_step_and_plan_run_at_a_toy_length():
-    from lightning_eagle.parallel.memory_plan import build_plan
+    from lightning_eagle.planning import build_plan
 
     bench = _load()
     for spec in (bench.TODAY, bench.LONG):

@@ -14,7 +14,8 @@ import yaml
 from lightning_eagle import backends
 from lightning_eagle.commands.cli import main, make_cli
 from lightning_eagle.commands.memory_plan import run_config_from_yaml
-from lightning_eagle.parallel.memory_plan import build_plan
+from lightning_eagle.planning import build_plan
+from lightning_eagle.planning.eagle3_unroll_forward import ttt_attention_backend
 from lightning_eagle.run_settings import (
     FLAT_MODEL_KEYS,
     DraftSettings,
@@ -131,7 +132,7 @@ def test_the_plan_plans_what_fit_builds_and_runs(tmp_path):
     assert inputs.target_settings == dataclasses.replace(module.target_settings, aux_layer_ids=(1, 3, 5))
     assert inputs.draft.to_dict() == module._build_draft(320).config.to_dict()
     # `auto` resolved by the registries fit dispatches with, on the planned device
-    assert inputs.attention_backend == backends.TTT_ATTENTION_BACKEND.resolve("auto", torch.device("cpu"))
+    assert ttt_attention_backend(inputs) == backends.TTT_ATTENTION_BACKEND.resolve("auto", torch.device("cpu"))
     assert inputs.loss_backend == backends.LOSS_BACKEND.resolve("auto", torch.device("cpu")) == "chunked"
     assert build_plan(inputs).peak_bytes > 0
 
@@ -144,7 +145,7 @@ def test_auto_on_the_planned_gpus_is_planned(tmp_path):
     path = tmp_path / "k3.yaml"
     path.write_text(yaml.safe_dump(config))
     inputs = run_config_from_yaml(path, target_config="k3").inputs
-    assert inputs.attention_backend == "flex_attention"
+    assert ttt_attention_backend(inputs) == "flex_attention"
     flex = build_plan(inputs)
     sdpa = build_plan(dataclasses.replace(inputs, flex_available=False))
     flash = build_plan(dataclasses.replace(inputs, draft_settings=DraftSettings(**{

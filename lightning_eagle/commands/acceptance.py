@@ -28,6 +28,7 @@ import torch
 
 from lightning_eagle.commands.arguments import CommandParser
 from lightning_eagle.dtypes import DTYPES
+from lightning_eagle.inference.decoding_settings import DecodingSettings
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK
 from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS
 from lightning_eagle.settings import check_settings
@@ -107,14 +108,25 @@ def _report(args: argparse.Namespace) -> None:
         "--top-p": (args.top_p, "positive", float),
         "--context-prompts": (args.context_prompts, "positive", int),
         "--prefill-chunk": (args.prefill_chunk, "non_negative", int),
+        "--seed": (args.seed, "non_negative", int),
         **{flag: (value, "positive", int) for flag, value in (("--threads", args.threads),
            ("--max-prompt-tokens", args.max_prompt_tokens), ("--max-prompts", args.max_prompts),
            ("--num-draft-tokens", args.num_draft_tokens)) if value is not None},
     })  # fmt: skip
     if args.top_p > 1:
         raise ValueError(f"--top-p must be in (0, 1] (1 = no nucleus truncation), got {args.top_p!r}")
+    # the decoding settings, made once from the checked flags; K None = the draft family's own, filled in below
+    decoding = DecodingSettings(
+        max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        aux_layer_ids=args.aux_layer_ids,
+        prefill_chunk=args.prefill_chunk or None,
+    )
     # Imported after parsing: `--help` and a bad flag answer without loading the model code.
-    from lightning_eagle.inference.draft_families import default_num_draft_tokens, load_draft
+    from lightning_eagle.inference.draft_families import load_draft
     from lightning_eagle.k3 import KimiK3ForCausalLM
     from lightning_eagle.k3.loader import named_target
 
@@ -148,41 +160,36 @@ def _report(args: argparse.Namespace) -> None:
             "--allow-extrapolation to measure them anyway"
         )
     family, draft = load_draft(args.draft, target, dtype, args.device)
-    if args.num_draft_tokens is None:  # the family's own K (an EAGLE-3 export's ttt_steps, a DSpark block)
-        args.num_draft_tokens = default_num_draft_tokens(draft)
+    decoding = decoding.for_draft(draft)  # the family's own K (an EAGLE-3 export's ttt_steps, a DSpark block)
     if names is None and lengths is None:
-        _chat_report(args, target, draft)
+        _chat_report(args, target, draft, decoding)
         return
-    _card_report(args, target, draft, family, sets if names is not None else [], lengths or [])
+    _card_report(args, target, draft, family, decoding, sets if names is not None else [], lengths or [])
 
 
-def _chat_report(args: argparse.Namespace, target, draft) -> None:
+def _chat_report(args: argparse.Namespace, target, draft, decoding: DecodingSettings) -> None:
     from lightning_eagle.inference.acceptance import evaluate_acceptance, save_report
 
     report = evaluate_acceptance(
         target,
         draft,
         args.data,
+        decoding,
         tokenizer=args.tokenizer,
         num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens,
-        num_draft_tokens=args.num_draft_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        aux_layer_ids=args.aux_layer_ids,
         compare_plain=not args.no_plain,
         thinking=not args.no_thinking,
         thinking_effort=args.thinking_effort,
         max_prompt_tokens=args.max_prompt_tokens,
-        prefill_chunk=args.prefill_chunk or None,
     )
     print(report.format())
     if args.json:
         print(f"report written to {save_report(report, args.json)}")
 
 
-def _card_report(args: argparse.Namespace, target, draft, family: str, sets, lengths: list[int]) -> None:
+def _card_report(
+    args: argparse.Namespace, target, draft, family: str, decoding: DecodingSettings, sets, lengths: list[int]
+) -> None:
     """Every set, then every context length; the table on stdout, JSON and PNG under ``--out``."""
     from tqdm.auto import tqdm
 
@@ -193,28 +200,25 @@ def _card_report(args: argparse.Namespace, target, draft, family: str, sets, len
 
     tokenizer = resolve_tokenizer(args.tokenizer)
     options = {"thinking": not args.no_thinking, "thinking_effort": args.thinking_effort}
-    decoding = {"max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
-                "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-                "aux_layer_ids": args.aux_layer_ids, "prefill_chunk": args.prefill_chunk or None}  # fmt: skip
     summaries = {}
     for prompt_set in sets:
         with tqdm(total=prompt_set.turns, desc=prompt_set.name, unit="turn", file=sys.stderr) as bar:
             report = evaluate_prompt_set(
-                target, draft, prompt_set, tokenizer, render_options=options, on_turn=bar.update, **decoding
+                target, draft, prompt_set, tokenizer, decoding, render_options=options, on_turn=bar.update
             )
         summaries[prompt_set.name] = set_summary(report)
     context = {}
     for length in tqdm(lengths, desc="context lengths", unit="length", file=sys.stderr, disable=not lengths):
         prompts = context_length_prompts(length, args.context_prompts, tokenizer, args.seed, options)
         report = evaluate_acceptance(
-            target, draft, prompts, compare_plain=False, warmup=False, num_prompts=len(prompts), **decoding
+            target, draft, prompts, decoding, compare_plain=False, warmup=False, num_prompts=len(prompts)
         )
         label = f"{length // 1024}k" if length % 1024 == 0 else str(length)
         limit = getattr(target.config, "max_position_embeddings", None)
         beyond = limit is not None and length > limit
         context[label] = {**set_summary(report), "context_length": length, "beyond_max_position": beyond}
-    setting = (f"{family} draft, K {args.num_draft_tokens}, temperature {args.temperature}, top-p {args.top_p}, "
-               f"max {args.max_new_tokens} new tokens per turn")  # fmt: skip
+    setting = (f"{family} draft, K {decoding.num_draft_tokens}, temperature {decoding.temperature}, top-p "
+               f"{decoding.top_p}, max {decoding.max_new_tokens} new tokens per turn")  # fmt: skip
     print(f"acceptance ({setting})\n")
     if summaries:
         print(markdown_table(summaries))

@@ -65,7 +65,7 @@ USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, IsADire
                PermissionError, MisconfigurationException, RunError)  # fmt: skip
 
 
-class Eagle3CLI(LightningCLI):
+class RunCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # `data:` is a ChatDataModule unless it names another class (HiddenStateDataModule for dumped features).
         # (`model:` is the default family's module unless it names another: `run_classes`.)
@@ -191,11 +191,11 @@ def refuse_flat_settings(words: list[str]) -> None:
             refuse_flat_model_keys(nested, "the command line", draft_settings)
 
 
-def make_cli(words: list[str], from_sys_argv: bool, run: bool = True) -> Eagle3CLI:
+def make_cli(words: list[str], from_sys_argv: bool, run: bool = True) -> RunCLI:
     refuse_flat_settings(words)
     if from_sys_argv:  # LightningCLI warns when given `args` while sys.argv has arguments too
         sys.argv[1:] = words
-    return Eagle3CLI(
+    return RunCLI(
         **run_classes(words),
         run=run,
         args=None if from_sys_argv else words,

@@ -4,11 +4,11 @@ built without running anything, and refused unless its data reads chats."""
 
 from __future__ import annotations
 
-from lightning_eagle.commands.cli import Eagle3CLI, make_cli, resolve_packaged_configs
+from lightning_eagle.commands.cli import RunCLI, make_cli, resolve_packaged_configs
 from lightning_eagle.data.datamodule import ChatDataModule
 
 
-def chat_data_cli(words: list[str], from_sys_argv: bool, command: str) -> Eagle3CLI:
+def chat_data_cli(words: list[str], from_sys_argv: bool, command: str) -> RunCLI:
     """The LightningCLI (``run=False``: model, data module and trainer instantiated, nothing run) of ``words``, the
     config options left once ``command`` has taken its own.
 

@@ -229,5 +229,6 @@ register_draft_family(DraftFamily(
     load_export=lambda folder, target, dtype, device: load_dspark_export(folder, dtype).to(device),
     export=_export, serve_lines=lambda config_json, folder: [dspark_serving_command(config_json, folder)],
     taps=lambda config: list(config.target_layer_ids), legacy_config_keys=("dspark_draft_config",),
-    layers=("lightning_eagle.training.dspark_module", "lightning_eagle.inference.block_speculative"),
+    layers=("lightning_eagle.training.dspark_module", "lightning_eagle.inference.block_speculative",
+            "lightning_eagle.planning.dspark_plan"),
 ))  # fmt: skip

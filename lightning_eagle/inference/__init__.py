@@ -2,10 +2,11 @@
 (EAGLE-3 chains, DSpark blocks), acceptance. A draft's family is read from its export.
 
 Public API (stable): :func:`speculative_generate`, :func:`evaluate_acceptance`, :func:`evaluate_prompt_set` (a
-standard prompt set decoded turn by turn; both decode with the loop of the draft's family), and for DSpark drafters
-:func:`block_speculative_generate`. Building blocks for notebooks and research: :class:`IncrementalTarget`
-(prefill/extend/rollback), :class:`DraftRunner`, :func:`plain_generate`, :class:`AcceptanceReport`; the Lightning
-:class:`AcceptanceCallback` (logs ``val/tau_real``). Every name is imported on first use.
+standard prompt set decoded turn by turn; both decode with the loop of the draft's family, as one
+:class:`DecodingSettings` says), and for DSpark drafters :func:`block_speculative_generate`. Building blocks for
+notebooks and research: :class:`IncrementalTarget` (prefill/extend/rollback), :class:`DraftRunner`,
+:func:`plain_generate`, :class:`AcceptanceReport`; the Lightning :class:`AcceptanceCallback` (logs ``val/tau_real``).
+Every name is imported on first use.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ _EXPORTS = {
     "AcceptanceReport": "lightning_eagle.inference.acceptance",
     "evaluate_acceptance": "lightning_eagle.inference.acceptance",
     "block_speculative_generate": "lightning_eagle.inference.block_speculative",
+    "DecodingSettings": "lightning_eagle.inference.decoding_settings",
     "resolve_inference_aux": "lightning_eagle.inference.aux_ids",
     "DraftProposal": "lightning_eagle.inference.draft_runner",
     "DraftRunner": "lightning_eagle.inference.draft_runner",
@@ -38,6 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover — what IDEs and type checkers see; keep 
     from lightning_eagle.inference.aux_ids import resolve_inference_aux
     from lightning_eagle.inference.block_speculative import block_speculative_generate
     from lightning_eagle.inference.callback import AcceptanceCallback
+    from lightning_eagle.inference.decoding_settings import DecodingSettings
     from lightning_eagle.inference.draft_runner import DraftProposal, DraftRunner
     from lightning_eagle.inference.incremental_target import IncrementalTarget, TargetStep
     from lightning_eagle.inference.plain import PlainOutput, plain_generate

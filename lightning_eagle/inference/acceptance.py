@@ -29,6 +29,7 @@ prompt (:func:`~lightning_eagle.inference.speculative_generate`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -40,14 +41,9 @@ from typing import Any
 import torch
 
 from lightning_eagle.data.prompts import resolve_prompts
+from lightning_eagle.inference.decoding_settings import DEFAULT_DECODING, DecodingSettings, check_decoding
 from lightning_eagle.inference.draft_families import decoding_loop
-from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
-from lightning_eagle.inference.plain import plain_generate
-from lightning_eagle.inference.speculative import (
-    DEFAULT_NUM_DRAFT_TOKENS,
-    SpeculativeOutput,
-    VerificationRounds,
-)
+from lightning_eagle.inference.speculative import SpeculativeOutput, VerificationRounds
 from lightning_eagle.settings import check_positive_int_or_none
 
 log = logging.getLogger(__name__)
@@ -233,32 +229,30 @@ def evaluate_acceptance(
     target,
     draft,
     data=None,
+    decoding: DecodingSettings = DEFAULT_DECODING,
     *,
     tokenizer=None,
     num_prompts: int = 16,
-    max_new_tokens: int = 64,
-    num_draft_tokens: int | None = DEFAULT_NUM_DRAFT_TOKENS,
-    temperature: float = 0.0,
-    seed: int = 0,
-    aux_layer_ids: list[int] | None = None,
     stop_token_ids: Iterable[int] | str | None = "eos",
     compare_plain: bool = True,
     warmup: bool = True,
     thinking: bool = True,
     thinking_effort: str | None = None,
     max_prompt_tokens: int | None = None,
-    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
-    top_p: float = 1.0,
 ) -> AcceptanceReport:
     """Speculative decoding over held-out prompts → :class:`AcceptanceReport` (see the module docstring).
 
     Args:
         data: None = held-out chats of the bundled corpus; a JSONL/JSON chat file; a ``ChatDataModule`` (its
             validation split); a list of chats; or a list of token-id prompts.
+        decoding: how every prompt is decoded (:class:`~lightning_eagle.inference.decoding_settings.DecodingSettings`:
+            max new tokens, K, temperature, top-p, seed, taps, prefill chunk; default greedy, K 7, 64 new tokens).
+            Its ``num_draft_tokens=None`` is the draft family's own K (an EAGLE-3 export's recorded ``ttt_steps``, a
+            DSpark drafter's block); a DSpark drafter drafts at most its ``block_size`` g per round. At temperature
+            > 0 both decodings sample the target's top-p nucleus (lossless w.r.t. it); ``prefill_chunk=None`` puts
+            the whole prompt in one forward (memory then has ``[T,T]`` transients wherever an eager attention core
+            runs). Prompt i is seeded ``seed + i``.
         tokenizer: for chats (default: the synthetic K3 tokenizer; a path or ``KimiTokenizer`` for real data).
-        num_draft_tokens: K, tokens drafted per round (default ``DEFAULT_NUM_DRAFT_TOKENS`` = 7). An EAGLE-3 draft's
-            config records only its architecture: pass the ``model.objective.ttt_steps`` it was trained with (None
-            is refused). A DSpark drafter drafts at most its ``block_size`` g per round; None = g.
         stop_token_ids: ``"eos"`` = the target's ``eos_token_id`` (K3's ``<|end_of_msg|>``), None = never stop.
         compare_plain: also decode every prompt with the target alone (throughput baseline; at temperature 0 also a
             losslessness check).
@@ -267,13 +261,10 @@ def evaluate_acceptance(
         max_prompt_tokens: prompts longer than this are skipped (the first ``num_prompts`` that fit are used); None
             = no cap (a ``ChatDataModule``'s prompts: its ``max_length``). Each prompt costs one target prefill of
             its length in both decodings; raises when no prompt fits.
-        prefill_chunk: prompt tokens per prefill forward (None = the whole prompt in one forward; memory then has
-            ``[T,T]`` transients wherever an eager attention core runs).
-        top_p: at temperature > 0, both decodings sample the target's top-p nucleus (lossless w.r.t. it).
     """
-    K = num_draft_tokens  # each family's loop checks it (an int for chains; an int <= g or None for blocks)
+    # K filled in for this draft; each family's loop checks it (any K for chains, at most g for blocks)
+    decoding = check_decoding(decoding, "evaluate_acceptance").for_draft(draft)
     render_options = {"thinking": thinking, "thinking_effort": thinking_effort}
-    check_prefill_chunk(prefill_chunk)
     prompts = capped_prompts(data, tokenizer, num_prompts, render_options, max_prompt_tokens)
     if not prompts:
         capped = "" if max_prompt_tokens is None else f" of at most max_prompt_tokens={max_prompt_tokens} tokens"
@@ -286,37 +277,37 @@ def evaluate_acceptance(
             max_prompt_tokens,
         )
     check_prompt_ids(prompts, target)
-    if stop_token_ids == "eos":
-        stop_token_ids = target_stop_ids(target)
-    common = {"stop_token_ids": stop_token_ids, "prefill_chunk": prefill_chunk, "top_p": top_p}
+    stop = target_stop_ids(target) if stop_token_ids == "eos" else stop_token_ids
+    greedy = decoding.temperature == 0
     with decoding_loop(draft) as generate:  # chains for EAGLE-3, blocks for DSpark
         if warmup:
-            generate(target, draft, prompts[0], 4, K, temperature, seed, aux_layer_ids, **common)
+            short = dataclasses.replace(decoding, max_new_tokens=4)
+            short.run(generate, target, draft, prompts[0], 0, stop)
             if compare_plain:
-                plain_generate(target, prompts[0], 4, temperature, seed, **common)
+                short.run_plain(target, prompts[0], 0, stop)
         outputs: list[tuple[int, SpeculativeOutput]] = []
         plain = {"tokens": 0, "seconds": 0.0, "forwards": 0}
         mismatches = 0
         for i, prompt in enumerate(prompts):
-            out = generate(target, draft, prompt, max_new_tokens, K, temperature, seed + i, aux_layer_ids, **common)
+            out = decoding.run(generate, target, draft, prompt, i, stop)
             outputs.append((len(prompt), out))
             if compare_plain:
-                ref = plain_generate(target, prompt, max_new_tokens, temperature, seed + i, **common)
+                ref = decoding.run_plain(target, prompt, i, stop)
                 plain["tokens"] += len(ref.tokens)
                 plain["seconds"] += ref.seconds
                 plain["forwards"] += ref.target_forwards
-                mismatches += int(temperature == 0 and ref.tokens != out.tokens)
+                mismatches += int(greedy and ref.tokens != out.tokens)
     return AcceptanceReport.pooled(
         outputs,
         num_prompts=len(prompts),
-        num_draft_tokens=K,
-        temperature=temperature,
-        top_p=top_p,
-        max_new_tokens=max_new_tokens,
+        num_draft_tokens=decoding.num_draft_tokens,
+        temperature=decoding.temperature,
+        top_p=decoding.top_p,
+        max_new_tokens=decoding.max_new_tokens,
         plain_tokens=plain["tokens"] if compare_plain else None,
         plain_seconds=plain["seconds"] if compare_plain else None,
         plain_target_forwards=plain["forwards"] if compare_plain else None,
-        greedy_mismatches=mismatches if compare_plain and temperature == 0 else None,
+        greedy_mismatches=mismatches if compare_plain and greedy else None,
     )
 
 

@@ -31,6 +31,7 @@ YAML::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Protocol, runtime_checkable
 
@@ -42,9 +43,9 @@ from lightning_eagle.data.prompt_sets import load_prompt_set
 from lightning_eagle.data.prompts import prompts_from_datamodule
 from lightning_eagle.data.tokenizer_choice import resolve_tokenizer
 from lightning_eagle.inference.acceptance import capped_prompts, check_max_prompt_tokens, evaluate_acceptance
-from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
+from lightning_eagle.inference.decoding_settings import DecodingSettings
+from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK
 from lightning_eagle.inference.prompt_set_run import evaluate_prompt_set, set_summary, summary_metrics
-from lightning_eagle.inference.sampling import check_top_p
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +77,10 @@ class TrainsADraft(Protocol):
     def expert_range(self) -> tuple[int, int] | None: ...
 
 
-def draft_steps(pl_module: pl.LightningModule, num_draft_tokens: int | None) -> int:
+def draft_steps(pl_module: pl.LightningModule, decoding: DecodingSettings) -> int:
     """K for one acceptance run: the callback's own setting, else the family's own (the module's)."""
-    if num_draft_tokens is not None:
-        return num_draft_tokens
+    if decoding.num_draft_tokens is not None:
+        return decoding.num_draft_tokens
     if isinstance(pl_module, UnrollsDraftSteps):
         return pl_module.num_draft_tokens
     raise TypeError(
@@ -105,6 +106,10 @@ class AcceptanceCallback(pl.Callback):
     prefill_chunk: prompt tokens per prefill forward (default 2048; None = the whole prompt in one forward).
     benchmark: a standard prompt set or a JSONL set to decode instead of held-out prompts (module docstring).
     top_p: the nucleus of target and draft at temperature > 0 (1 = off).
+
+    The decoding arguments (``max_new_tokens``, ``num_draft_tokens``, ``temperature``, ``top_p``, ``seed``,
+    ``prefill_chunk``) are made into one :class:`~lightning_eagle.inference.decoding_settings.DecodingSettings`
+    (``self.decoding``) when the callback is made, so a bad value is refused then, and passed whole to each run.
     """
 
     def __init__(
@@ -126,14 +131,21 @@ class AcceptanceCallback(pl.Callback):
         if every_n_epochs < 1 or num_prompts < 1 or max_new_tokens < 1:
             raise ValueError("every_n_epochs, num_prompts and max_new_tokens must be >= 1")
         self.max_prompt_tokens = check_max_prompt_tokens(max_prompt_tokens)
-        self.prefill_chunk = check_prefill_chunk(prefill_chunk)
-        self.every_n_epochs, self.num_prompts, self.max_new_tokens = every_n_epochs, num_prompts, max_new_tokens
-        self.num_draft_tokens, self.temperature, self.seed = num_draft_tokens, temperature, seed
+        # Made and checked once, now: a bad value fails the run at start. The draft taps what its config records
+        # (aux_layer_ids None); num_draft_tokens None is filled in per run with the module's K (`draft_steps`).
+        self.decoding = DecodingSettings(
+            max_new_tokens=max_new_tokens,
+            num_draft_tokens=num_draft_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            prefill_chunk=prefill_chunk,
+        )
+        self.every_n_epochs, self.num_prompts = every_n_epochs, num_prompts
         self.prompts_file, self.compare_plain = prompts_file, compare_plain
         self._prompts: list[list[int]] | None = None
         self.last_report = None
         self.target_path, self._target = target, None
-        self.top_p = check_top_p(top_p)
         # Read now: a missing package or unknown set fails the run at start, not after its first epoch.
         self.benchmark = None if benchmark is None else load_prompt_set(benchmark, num_prompts)
 
@@ -181,23 +193,20 @@ class AcceptanceCallback(pl.Callback):
         expert_parallel = pl_module.expert_range() is not None
         if trainer.global_rank != 0 and not expert_parallel:
             return
-        # the draft taps what its config records (aux_layer_ids None); the loop is the draft family's (generate_for)
-        decoding = {"max_new_tokens": self.max_new_tokens, "num_draft_tokens": draft_steps(pl_module,
-                    self.num_draft_tokens), "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                    "aux_layer_ids": None, "prefill_chunk": self.prefill_chunk}  # fmt: skip
+        # K: the callback's own, else the module's; the loop is the draft family's (generate_for)
+        decoding = dataclasses.replace(self.decoding, num_draft_tokens=draft_steps(pl_module, self.decoding))
         with torch.autocast(device_type=target.lm_head.weight.device.type, enabled=False):
             if self.benchmark is not None:
                 datamodule = getattr(trainer, "datamodule", None)
                 tokenizer = resolve_tokenizer(getattr(datamodule, "tokenizer", None) or "synthetic")
                 options = dict(getattr(datamodule, "render_options", {}))
-                report = evaluate_prompt_set(target, draft, self.benchmark, tokenizer, render_options=options,
-                                             **decoding)  # fmt: skip
+                report = evaluate_prompt_set(target, draft, self.benchmark, tokenizer, decoding, render_options=options)
             else:
                 prompts = self.prompts(trainer)
                 if not prompts:
                     return
-                report = evaluate_acceptance(target, draft, prompts, num_prompts=self.num_prompts,
-                                             compare_plain=self.compare_plain, warmup=False, **decoding)  # fmt: skip
+                report = evaluate_acceptance(target, draft, prompts, decoding, num_prompts=self.num_prompts,
+                                             compare_plain=self.compare_plain, warmup=False)  # fmt: skip
         self.last_report = report
         if trainer.global_rank != 0:
             return

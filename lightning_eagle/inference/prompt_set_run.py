@@ -21,9 +21,9 @@ import torch
 
 from lightning_eagle.data.prompt_sets import PromptSet
 from lightning_eagle.inference.acceptance import AcceptanceReport, check_prompt_ids, target_stop_ids
+from lightning_eagle.inference.decoding_settings import CARD_DECODING, DecodingSettings, check_decoding
 from lightning_eagle.inference.draft_families import decoding_loop
-from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK
-from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS, SpeculativeOutput
+from lightning_eagle.inference.speculative import SpeculativeOutput
 
 # A generated long context lies this many tokens below its nominal length at most (long_corpus needs >= 512).
 CONTEXT_LENGTH_SLACK = 512
@@ -35,28 +35,24 @@ def evaluate_prompt_set(
     draft,
     prompt_set: PromptSet,
     tokenizer,
+    decoding: DecodingSettings = CARD_DECODING,
     *,
-    max_new_tokens: int = 64,
-    num_draft_tokens: int | None = DEFAULT_NUM_DRAFT_TOKENS,
-    temperature: float = 1.0,
-    top_p: float = 0.95,
-    seed: int = 0,
-    aux_layer_ids: list[int] | None = None,
     render_options: dict[str, Any] | None = None,
-    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     on_turn: Callable[[], None] | None = None,
 ) -> AcceptanceReport:
     """Speculative decoding of every turn of every conversation of ``prompt_set`` (module docstring) → one report.
 
-    ``tokenizer``: the target's (a ``KimiTokenizer``); ``render_options``: ``thinking`` / ``thinking_effort`` as the
-    draft was trained with; each turn is seeded ``seed + its index`` over the whole set. ``num_draft_tokens``: as
-    :func:`~lightning_eagle.inference.acceptance.evaluate_acceptance` takes it (None: a DSpark drafter's block
-    size). ``on_turn`` is called after every decoded turn (a progress bar)."""
+    ``tokenizer``: the target's (a ``KimiTokenizer``); ``decoding``: how every turn is decoded
+    (:class:`~lightning_eagle.inference.decoding_settings.DecodingSettings`; default the cards' sampling, temperature
+    1 and top-p 0.95; ``num_draft_tokens=None``: the draft family's own K), each turn seeded ``seed + its index`` over
+    the whole set; ``render_options``: ``thinking`` / ``thinking_effort`` as the draft was trained with. ``on_turn``
+    is called after every decoded turn (a progress bar)."""
     from lightning_eagle.data.regenerate.k3_response import split_k3_response
     from lightning_eagle.data.render_k3 import render_k3_chat
 
+    decoding = check_decoding(decoding, "evaluate_prompt_set").for_draft(draft)
     options = {"thinking": True, "thinking_effort": None, **(render_options or {})}
-    common = {"stop_token_ids": target_stop_ids(target), "prefill_chunk": prefill_chunk, "top_p": top_p}
+    stop = target_stop_ids(target)
     outputs: list[tuple[int, SpeculativeOutput]] = []
     with decoding_loop(draft) as generate:  # chains for EAGLE-3, blocks for DSpark; a training draft in eval mode
         for conversation in prompt_set.conversations:
@@ -65,8 +61,7 @@ def evaluate_prompt_set(
                 messages.append({"role": "user", "content": turn})
                 prompt = render_k3_chat(messages, tokenizer, add_generation_prompt=True, **options)
                 check_prompt_ids([prompt], target)
-                out = generate(target, draft, prompt, max_new_tokens, num_draft_tokens, temperature,
-                               seed + len(outputs), aux_layer_ids, **common)  # fmt: skip
+                out = decoding.run(generate, target, draft, prompt, len(outputs), stop)
                 outputs.append((len(prompt), out))
                 answer = split_k3_response(out.tokens, tokenizer, options["thinking"])
                 messages.append(
@@ -77,10 +72,10 @@ def evaluate_prompt_set(
     return AcceptanceReport.pooled(
         outputs,
         num_prompts=len(prompt_set.conversations),
-        num_draft_tokens=num_draft_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        max_new_tokens=max_new_tokens,
+        num_draft_tokens=decoding.num_draft_tokens,
+        temperature=decoding.temperature,
+        top_p=decoding.top_p,
+        max_new_tokens=decoding.max_new_tokens,
     )
 
 

@@ -107,7 +107,7 @@ def validate_layout(layout: ParallelLayout) -> None:
     """
     if layout.target_backend != "colocated":
         raise UnsupportedLayoutError(
-            "K3 EAGLE-3 training requires target_model_backend='colocated' (got "
+            "K3 draft training requires target_model_backend='colocated' (got "
             f"target_backend={layout.target_backend!r}): the frozen target runs inside the trainer; sglang/vllm/remote "
             "targets are not supported"
         )
@@ -126,8 +126,8 @@ def validate_layout(layout: ParallelLayout) -> None:
             )
     if layout.pipeline_parallel_size != 1:
         raise UnsupportedLayoutError(
-            f"pipeline_parallel_size={layout.pipeline_parallel_size}: Pipeline parallelism is not supported — EAGLE-3 "
-            "aux hidden states come from one non-pipelined target forward; use expert_parallel_size instead"
+            f"pipeline_parallel_size={layout.pipeline_parallel_size}: Pipeline parallelism is not supported — the "
+            "draft's tapped target states come from one non-pipelined target forward; use expert_parallel_size instead"
         )
     if layout.sequence_packing:
         raise UnsupportedLayoutError(

@@ -16,7 +16,7 @@ For the published K3 at EP 8 / 32 / 64 this reproduces ``k3_target.md`` ยง5.3: โ
 181 / 45 / 22.6 GB packed, 681 / 170 / 85 GB bf16 routed experts per rank.
 
 The whole per-rank **peak** (activations, draft, optimizer, transients) is planned in
-:mod:`lightning_eagle.parallel.memory_plan`; ``python -m lightning_eagle.commands.memory_plan --config run.yaml
+:mod:`lightning_eagle.planning`; ``python -m lightning_eagle.commands.memory_plan --config run.yaml
 --gpu-gb 80`` (or ``lightning-eagle memory-plan``) prints that plan for a LightningCLI config.
 """
 
@@ -223,7 +223,7 @@ def per_rank_memory_report(
     config: KimiK3TextConfig, ep_size: int, dtype: torch.dtype = torch.bfloat16, shapes: TargetShapes | None = None
 ) -> RankMemory:
     """Weight bytes one EP rank holds for the frozen target, dense weights replicated (activations, the draft and
-    dense sharding are in :func:`lightning_eagle.parallel.memory_plan.build_plan`)."""
+    dense sharding are in :func:`lightning_eagle.planning.build_plan`)."""
     check_ep_size(config, ep_size)
     shapes = shapes or target_shapes(config)
     experts = config.num_experts // ep_size

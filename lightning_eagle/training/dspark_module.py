@@ -111,7 +111,7 @@ def block_objective(
     ``loss_backend`` (``"plain"`` or ``"chunked"``, resolved). It reads the drafter's head weights outside any of
     their calls, so it runs as their forward (:func:`~lightning_eagle.parallel.dense_shard.with_full_parameters`): an
     FSDP2-sharded drafter gathers them for it and for its backward. The training step's and the memory plan's
-    (:mod:`~lightning_eagle.training.dspark_memory`) one objective."""
+    (:mod:`~lightning_eagle.planning.dspark_census`) one objective."""
     options = dict(coefficients=coefficients, normalizer=normalizer, world_size=world_size)
 
     def loss_of(hidden: torch.Tensor) -> tuple[torch.Tensor, DSparkLoss]:

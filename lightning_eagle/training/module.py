@@ -99,8 +99,14 @@ class Eagle3Module(DraftTrainingModule):
     @classmethod
     def run_spec(cls, groups, config=None) -> tuple[TargetSpec, Eagle3DraftConfig]:
         # Read (config.json only) and validated once; the strategy, the feature dumper and the plan use it as is.
-        spec = TargetSpec.from_settings(groups["target"], config=config)
-        return spec, _draft_config(spec, groups["draft"], draft_vocab_size=None)  # validated without any weight
+        try:
+            spec = TargetSpec.from_settings(groups["target"], config=config)
+        except ValueError as err:
+            raise ValueError(f"model.target: {err}") from None
+        try:
+            return spec, _draft_config(spec, groups["draft"], draft_vocab_size=None)  # validated without any weight
+        except (TypeError, ValueError) as err:  # TypeError: an unknown field
+            raise ValueError(f"model.draft.config: {err}") from None
 
     def _build_draft(self, draft_vocab_size: int | None) -> KimiK3Eagle3Draft:
         self.draft_config = _draft_config(self.target_spec, self.draft_settings, draft_vocab_size)

@@ -20,13 +20,13 @@ import torch.distributed as dist
 
 from lightning_eagle.draft.cache import TTTCache
 from lightning_eagle.parallel.sequence_parallel import (
-    SequenceParallelTTTCache,
     SequenceShard,
     check_sequence_parallel_heads,
     global_step_loss,
     local_unroll_inputs,
     sum_over_group,
 )
+from lightning_eagle.parallel.sequence_parallel_cache import SequenceParallelTTTCache
 from lightning_eagle.training.shift import shift_left
 from lightning_eagle.training.teacher import ChunkedTeacher, Teacher
 

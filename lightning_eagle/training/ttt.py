@@ -40,7 +40,8 @@ import torch.utils.checkpoint
 
 from lightning_eagle.backends import LOSS_BACKEND
 from lightning_eagle.draft.cache import TTTCache
-from lightning_eagle.parallel.sequence_parallel import SequenceShard, slot_positions
+from lightning_eagle.parallel.sequence_parallel import SequenceShard
+from lightning_eagle.parallel.sequence_parallel_cache import slot_positions
 from lightning_eagle.settings import DEFAULT_LOSS_CHUNK, DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS
 from lightning_eagle.training.chunked_loss import chunked_step_loss
 from lightning_eagle.training.loss import soft_cross_entropy, step_weights

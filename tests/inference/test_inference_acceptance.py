@@ -12,7 +12,7 @@ from inference_helpers import draft_for_target, make_target
 
 from lightning_eagle.data import synthetic_k3_tokenizer
 from lightning_eagle.data.prompts import prompts_from_chats, prompts_from_token_rows
-from lightning_eagle.inference import evaluate_acceptance
+from lightning_eagle.inference import DecodingSettings, evaluate_acceptance
 from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS
 
 SYNTHETIC = {"vocab_size": 512, "bos_token_id": 256, "eos_token_id": 258, "pad_token_id": 511}
@@ -50,7 +50,9 @@ def test_prompts_end_at_each_assistant_turn():
 def test_report_over_chat_file(chat_file):
     target = make_target(seed=21, **SYNTHETIC)
     draft = draft_for_target(target, draft_vocab_size=320, seed=3)
-    report = evaluate_acceptance(target, draft, str(chat_file), num_prompts=3, max_new_tokens=8, num_draft_tokens=3)
+    report = evaluate_acceptance(
+        target, draft, str(chat_file), DecodingSettings(max_new_tokens=8, num_draft_tokens=3), num_prompts=3
+    )
     assert report.num_prompts == 3 and report.num_draft_tokens == 3
     assert report.greedy_mismatches == 0  # losslessness checked inside the report at temperature 0
     assert report.spec_tokens == report.plain_tokens and report.plain_target_forwards == report.plain_tokens
@@ -77,13 +79,12 @@ def test_token_prompts_sampling_and_vocab_check():
     target = make_target(seed=22, **SYNTHETIC)
     draft = draft_for_target(target, draft_vocab_size=320, seed=4)
     prompts = [torch.tensor([256, 259, 40, 41]), [256, 259, 50]]
-    report = evaluate_acceptance(
-        target, draft, prompts, max_new_tokens=6, num_draft_tokens=2, temperature=0.8, compare_plain=False
-    )
+    decoding = DecodingSettings(max_new_tokens=6, num_draft_tokens=2, temperature=0.8)
+    report = evaluate_acceptance(target, draft, prompts, decoding, compare_plain=False)
     assert report.num_prompts == 2 and report.greedy_mismatches is None and report.plain_tokens is None
     assert 2 <= report.spec_tokens <= 12
     with pytest.raises(ValueError, match="vocab_size"):
-        evaluate_acceptance(target, draft, [[1, 2, 600]], max_new_tokens=2)
+        evaluate_acceptance(target, draft, [[1, 2, 600]], DecodingSettings(max_new_tokens=2))
 
 
 def test_cli_entry_point(tmp_path, chat_file, capsys):
@@ -108,14 +109,18 @@ def test_cli_entry_point(tmp_path, chat_file, capsys):
     assert saved["num_prompts"] == 2 and saved["greedy_mismatches"] == 0
 
 
-def test_the_number_of_draft_tokens_is_the_callers():
-    """The draft config records only the architecture: K is an argument, never read from the draft."""
+def test_the_number_of_draft_tokens_is_the_callers_or_the_familys():
+    """The draft config records only the architecture: K is the caller's (default 7), or with
+    ``num_draft_tokens=None`` the family's own: the ``ttt_steps`` an EAGLE-3 export records, else the default."""
     target = make_target(seed=22, **SYNTHETIC)
     draft = draft_for_target(target, draft_vocab_size=320, seed=4)
-    with pytest.raises(TypeError, match="num_draft_tokens must be an int"):
-        evaluate_acceptance(target, draft, [[256, 259, 40]], max_new_tokens=2, num_draft_tokens=None)
-    report = evaluate_acceptance(target, draft, [[256, 259, 40]], max_new_tokens=2, compare_plain=False)
+    callers = DecodingSettings(max_new_tokens=2)
+    report = evaluate_acceptance(target, draft, [[256, 259, 40]], callers, compare_plain=False)
     assert report.num_draft_tokens == DEFAULT_NUM_DRAFT_TOKENS == 7
+    familys = DecodingSettings(max_new_tokens=2, num_draft_tokens=None)
+    assert evaluate_acceptance(target, draft, [[256, 259, 40]], familys, compare_plain=False).num_draft_tokens == 7
+    draft.training_settings = {"ttt_steps": 3}  # what an export's metadata gives a loaded draft
+    assert evaluate_acceptance(target, draft, [[256, 259, 40]], familys, compare_plain=False).num_draft_tokens == 3
 
 
 def test_callback_logs_tau_real_during_validation(tmp_path, chat_file):

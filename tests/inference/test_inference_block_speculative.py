@@ -17,6 +17,7 @@ from lightning_eagle.data.prompts import bundled_held_out_prompts
 from lightning_eagle.draft.dspark import DSparkDrafter
 from lightning_eagle.inference.acceptance import evaluate_acceptance
 from lightning_eagle.inference.block_speculative import block_speculative_generate
+from lightning_eagle.inference.decoding_settings import DecodingSettings
 from lightning_eagle.inference.plain import plain_generate
 from lightning_eagle.inference.sampling import nucleus
 from lightning_eagle.inference.speculative import analytic_tau
@@ -218,9 +219,8 @@ def test_evaluate_acceptance_decodes_a_block_drafter_in_blocks(bundled):
     """The one evaluation decodes a DSpark drafter with the block loop (K None = its block size) and adds the
     analytic tau of the TVs that loop measures."""
     target, held_out, trained = bundled
-    report = evaluate_acceptance(
-        target, trained, held_out[:3], max_new_tokens=16, num_draft_tokens=None, stop_token_ids=None
-    )
+    decoding = DecodingSettings(max_new_tokens=16, num_draft_tokens=None)
+    report = evaluate_acceptance(target, trained, held_out[:3], decoding, stop_token_ids=None)
     assert report.num_prompts == 3
     assert report.greedy_mismatches == 0 and report.num_draft_tokens == trained.config.block_size
     singles = [block_speculative_generate(target, trained, p, 16, seed=i) for i, p in enumerate(held_out[:3])]

@@ -4,6 +4,7 @@ single-shot prefill (its twin), its transients stay ``[C,L]`` per head, and the 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_eagle.inference import (
+    DecodingSettings,
     DraftRunner,
     IncrementalTarget,
     evaluate_acceptance,
@@ -203,18 +205,20 @@ def test_acceptance_caps_prompts_and_chunks_their_prefill():
     target = make_target(seed=6, vocab_size=6, lm_head_scale=20.0)
     draft = draft_for_target(target, draft_vocab_size=4, seed=1, lm_head_scale=20.0)
     prompts = [random_prompt(n, 6, seed=n) for n in (700, 40, 900, 60)]
-    options = {"max_new_tokens": 8, "num_draft_tokens": 3, "stop_token_ids": None, "warmup": False}
-    capped = evaluate_acceptance(target, draft, prompts, num_prompts=2, max_prompt_tokens=100, **options)
-    short = evaluate_acceptance(target, draft, [prompts[1], prompts[3]], num_prompts=2, **options)
+    decoding = DecodingSettings(max_new_tokens=8, num_draft_tokens=3)
+    options = {"stop_token_ids": None, "warmup": False}
+    capped = evaluate_acceptance(target, draft, prompts, decoding, num_prompts=2, max_prompt_tokens=100, **options)
+    short = evaluate_acceptance(target, draft, [prompts[1], prompts[3]], decoding, num_prompts=2, **options)
     assert capped.num_prompts == 2 and capped.accepted_per_round == short.accepted_per_round
     long_ones = [prompts[0], prompts[2]]
-    chunked = evaluate_acceptance(target, draft, long_ones, prefill_chunk=256, **options)
-    whole = evaluate_acceptance(target, draft, long_ones, prefill_chunk=None, compare_plain=False, **options)
+    chunked = evaluate_acceptance(target, draft, long_ones, replace(decoding, prefill_chunk=256), **options)
+    whole = evaluate_acceptance(target, draft, long_ones, replace(decoding, prefill_chunk=None), compare_plain=False,
+                                **options)  # fmt: skip
     assert chunked.accepted_per_round == whole.accepted_per_round and chunked.greedy_mismatches == 0
     with pytest.raises(ValueError, match="no prompts of at most max_prompt_tokens=10 tokens"):
-        evaluate_acceptance(target, draft, prompts, max_prompt_tokens=10, **options)
+        evaluate_acceptance(target, draft, prompts, decoding, max_prompt_tokens=10, **options)
     with pytest.raises(ValueError, match="max_prompt_tokens must be a positive int"):
-        evaluate_acceptance(target, draft, prompts, max_prompt_tokens=0, **options)
+        evaluate_acceptance(target, draft, prompts, decoding, max_prompt_tokens=0, **options)
 
 
 def test_callback_prompt_cap(tmp_path):

@@ -10,7 +10,13 @@ from inference_helpers import draft_for_target, make_target
 from safetensors.torch import load_file
 
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft, export_draft
-from lightning_eagle.inference import DraftRunner, evaluate_acceptance, plain_generate, speculative_generate
+from lightning_eagle.inference import (
+    DecodingSettings,
+    DraftRunner,
+    evaluate_acceptance,
+    plain_generate,
+    speculative_generate,
+)
 from lightning_eagle.training import ttt_loss
 from lightning_eagle.training.shift import shift_target_outputs
 
@@ -74,9 +80,10 @@ def test_speculative_generate_fills_the_missing_embedding(trained, temperature):
 def test_evaluate_acceptance_fills_the_missing_embedding(trained):
     target, draft, folder = trained
     prompts = token_prompts(4, 256, seed=0)  # the prompts it was trained on: real acceptances
-    options = {"max_new_tokens": 16, "num_draft_tokens": K, "stop_token_ids": None, "compare_plain": False}
-    ref = evaluate_acceptance(target, draft, prompts, warmup=False, **options)
-    report = evaluate_acceptance(target, load_without_embedding(folder), prompts, **options)  # warm-up fills it
+    decoding = DecodingSettings(max_new_tokens=16, num_draft_tokens=K)
+    options = {"stop_token_ids": None, "compare_plain": False}
+    ref = evaluate_acceptance(target, draft, prompts, decoding, warmup=False, **options)
+    report = evaluate_acceptance(target, load_without_embedding(folder), prompts, decoding, **options)  # warm-up fills
     assert report.accepted_per_round == ref.accepted_per_round
     assert report.spec_tokens == ref.spec_tokens
     assert ref.tau > 1.0
@@ -108,7 +115,7 @@ def test_an_embedding_that_cannot_be_filled_raises(trained, tmp_path):
     with pytest.raises(ValueError, match=r"\(256, 128\).*\(256, 64\)"):
         speculative_generate(target, loaded, [1, 2, 3], 8, K)
     with pytest.raises(ValueError, match=r"\(256, 128\).*\(256, 64\)"):
-        evaluate_acceptance(target, loaded, [[1, 2, 3]], max_new_tokens=8, stop_token_ids=None)
+        evaluate_acceptance(target, loaded, [[1, 2, 3]], DecodingSettings(max_new_tokens=8), stop_token_ids=None)
     # An embedding the draft trained is not the target's: refilling it from the target would be a different draft.
     unfrozen = draft_for_target(target, draft_vocab_size=72, seed=3, freeze_embeddings=False)
     folder = export_draft(unfrozen, tmp_path / "unfrozen", include_embeddings=False)

@@ -15,7 +15,7 @@ from lightning_eagle.data import synthetic_k3_tokenizer
 from lightning_eagle.data.prompt_sets import PromptSet
 from lightning_eagle.data.regenerate.k3_response import split_k3_response
 from lightning_eagle.data.render_k3 import render_k3_chat
-from lightning_eagle.inference import prompt_set_run, speculative
+from lightning_eagle.inference import DecodingSettings, prompt_set_run, speculative
 from lightning_eagle.inference.prompt_set_run import (
     context_length_prompts,
     evaluate_prompt_set,
@@ -51,7 +51,8 @@ def test_each_turn_follows_the_targets_own_answer(models, monkeypatch):
 
     # the loop the eagle3 family decodes with, replaced in its decoding record
     monkeypatch.setitem(DECODING_FAMILIES, "eagle3", dataclasses.replace(decoding_family("eagle3"), generate=recording))
-    report = evaluate_prompt_set(target, draft, SET, tok, max_new_tokens=6, num_draft_tokens=2, temperature=1.0)
+    report = evaluate_prompt_set(target, draft, SET, tok, DecodingSettings(max_new_tokens=6, num_draft_tokens=2,
+                                                                           temperature=1.0))  # fmt: skip
     assert len(calls) == 3 and report.num_turns == 3 and report.num_prompts == 2
     first = calls[0][1]
     answer = split_k3_response(first.tokens, tok, thinking=True)
@@ -71,8 +72,8 @@ def test_a_block_drafter_drafts_its_block_and_pools_its_tvs(models):
     """num_draft_tokens None: a DSpark drafter's block size, recorded as the K the loop ran; its TVs are pooled."""
     target, _ = models
     drafter = dspark_for_target(target, seed=7)
-    report = evaluate_prompt_set(target, drafter, SET, synthetic_k3_tokenizer(), max_new_tokens=6,
-                                 num_draft_tokens=None, temperature=0.0)  # fmt: skip
+    report = evaluate_prompt_set(target, drafter, SET, synthetic_k3_tokenizer(),
+                                 DecodingSettings(max_new_tokens=6, num_draft_tokens=None))  # fmt: skip
     g = drafter.config.block_size
     assert report.num_draft_tokens == g and set_summary(report)["num_draft_tokens"] == g
     assert len(report.tv_per_round) == report.num_rounds > 0 and all(len(tvs) == g for tvs in report.tv_per_round)
@@ -81,7 +82,8 @@ def test_a_block_drafter_drafts_its_block_and_pools_its_tvs(models):
 
 def test_summary_is_vllms_numbers_and_the_conditional_rates(models):
     target, draft = models
-    report = evaluate_prompt_set(target, draft, SET, synthetic_k3_tokenizer(), max_new_tokens=8, num_draft_tokens=3)
+    cards = DecodingSettings(max_new_tokens=8, num_draft_tokens=3, temperature=1.0, top_p=0.95)
+    report = evaluate_prompt_set(target, draft, SET, synthetic_k3_tokenizer(), cards)
     s = set_summary(report)
     rounds = report.accepted_per_round
     assert s["mean_acceptance_length"] == pytest.approx(1 + sum(rounds) / len(rounds))
@@ -100,11 +102,14 @@ def test_summary_is_vllms_numbers_and_the_conditional_rates(models):
 def test_greedy_is_deterministic_and_top_p_is_checked(models):
     target, draft = models
     tok = synthetic_k3_tokenizer()
-    a = evaluate_prompt_set(target, draft, SET, tok, max_new_tokens=5, num_draft_tokens=2, temperature=0.0)
-    b = evaluate_prompt_set(target, draft, SET, tok, max_new_tokens=5, num_draft_tokens=2, temperature=0.0)
+    greedy = DecodingSettings(max_new_tokens=5, num_draft_tokens=2)
+    a = evaluate_prompt_set(target, draft, SET, tok, greedy)
+    b = evaluate_prompt_set(target, draft, SET, tok, greedy)
     assert a.accepted_per_round == b.accepted_per_round and a.spec_tokens == b.spec_tokens
     with pytest.raises(ValueError, match="top_p must be in"):
-        evaluate_prompt_set(target, draft, SET, tok, max_new_tokens=2, top_p=0.0)
+        evaluate_prompt_set(target, draft, SET, tok, DecodingSettings(max_new_tokens=2, top_p=0.0))
+    with pytest.raises(TypeError, match="evaluate_prompt_set: decoding must be a DecodingSettings"):
+        evaluate_prompt_set(target, draft, SET, tok, {"max_new_tokens": 2})
 
 
 def test_context_lengths_parse_and_prompts_fit():

@@ -16,18 +16,20 @@ from draft_helpers import tiny_batch, tiny_draft
 from lightning_eagle.parallel import ParallelLayout, UnsupportedLayoutError
 from lightning_eagle.parallel.local_launch import launch_local
 from lightning_eagle.parallel.sequence_parallel import (
-    SequenceParallelTTTCache,
     SequenceShard,
     check_sequence_parallel_heads,
-    checkpointed_sequence_parallel_draft_step,
     draft_sequence_parallel_mesh,
     global_step_loss,
     head_to_sequence_shards,
     local_unroll_inputs,
     reduce_draft_gradients,
-    sequence_parallel_draft_step,
     sequence_to_head_shards,
     sum_over_group,
+)
+from lightning_eagle.parallel.sequence_parallel_cache import (
+    SequenceParallelTTTCache,
+    checkpointed_sequence_parallel_draft_step,
+    sequence_parallel_draft_step,
 )
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
 from lightning_eagle.training.loss import step_weights

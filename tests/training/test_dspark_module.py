@@ -254,7 +254,7 @@ def test_the_real_k3_dspark_config_parses(capsys):
     assert model["init_args"]["target"]["aux_layer_ids"] == [1, 23, 45, 67, 89]
     assert model["init_args"]["draft"]["preset"] == "k3" and model["init_args"]["objective"]["num_anchors"] == 512
     assert printed["trainer"]["strategy"]["class_path"].endswith("ExpertParallelStrategy")
-    # its memory plan: tests/parallel/test_parallel_memory_plan_dspark.py
+    # its memory plan: tests/planning/test_planning_memory_plan_dspark.py
 
 
 def test_the_acceptance_callback_measures_a_dspark_run_with_block_decoding(tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from lightning_eagle.data.long_corpus import rendered_length, write_long_corpus
-from lightning_eagle.parallel.memory_plan.cpu_probe import PROBE_ENV
+from lightning_eagle.planning.cpu_probe import PROBE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 PEAK_RSS_BOUND = 3e9  # bytes; measured 762-776 MB alone (closing note of issue 21); eager: > 4.3 GB

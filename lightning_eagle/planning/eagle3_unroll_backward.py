@@ -1,12 +1,13 @@
-"""The draft unroll's backward, followed step by step from the last TTT step: gradient buffers, each stage's working
-set, and the unroll's peak over forward and backward (:func:`unroll_peak`)."""
+"""The EAGLE-3 draft unroll's backward, followed step by step from the last TTT step: gradient buffers, each stage's
+working set, and the unroll's peak over forward and backward (:func:`unroll_peak`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from lightning_eagle.draft import ttt_attention
-from lightning_eagle.parallel.memory_plan.draft_forward import (
+from lightning_eagle.planning.draft_shapes import DraftShapes
+from lightning_eagle.planning.eagle3_unroll_forward import (
     DraftDims,
     cache_entry_bytes,
     cache_entry_kept,
@@ -17,8 +18,7 @@ from lightning_eagle.parallel.memory_plan.draft_forward import (
     step_kept,
     step_saved_parts,
 )
-from lightning_eagle.parallel.memory_plan.draft_shapes import DraftShapes
-from lightning_eagle.parallel.memory_plan.inputs import FP32
+from lightning_eagle.planning.terms import FP32
 
 
 def loss_backward_ws(d: DraftDims, k: int) -> int:

@@ -1,19 +1,28 @@
-"""The terms of a DSpark run's plan (:func:`dspark_terms`): the phases are the target's no-grad forward (shared with
-EAGLE-3), the teacher head (a dense-sharded target's whole ``lm_head`` gathered for the objective), the draft's
-blocks (forward, objective and backward of the drafter) and the optimizer step.
+"""The DSpark family's memory plan (:func:`dspark_terms`) and its
+:class:`~lightning_eagle.planning.family.PlanningFamily` record: the phases are the target's no-grad forward (shared
+with every family), the teacher head (a dense-sharded target's whole ``lm_head`` gathered for the objective), the
+draft's blocks (forward, objective and backward of the drafter) and the optimizer step.
 
 The blocks' activations are not formulas: they are the census of the real step on the meta device at the planned
-shapes (:attr:`PlanInputs.draft_step`, made by :func:`lightning_eagle.training.dspark_memory.dspark_step_census`);
+shapes (:attr:`PlanInputs.draft_step`, made by :func:`lightning_eagle.planning.dspark_census.dspark_step_census`);
 what the step reads but does not allocate (the target's outputs, the weights, gradients, optimizer states) is added
 here from the shapes.
 """
 
 from __future__ import annotations
 
+from lightning_eagle.draft.dspark_config import DSparkDraftConfig
+from lightning_eagle.draft.dspark_export import DSPARK
 from lightning_eagle.parallel.memory import TargetShapes
-from lightning_eagle.parallel.memory_plan.draft_shapes import DraftShapes
-from lightning_eagle.parallel.memory_plan.inputs import DSPARK_PHASES, RESIDENT, PlanInputs, dtype_name
-from lightning_eagle.parallel.memory_plan.terms import Term, gb, shard
+from lightning_eagle.planning.census import StepCensus
+from lightning_eagle.planning.draft_shapes import DraftShapes, on_meta
+from lightning_eagle.planning.dspark_census import dspark_step_census
+from lightning_eagle.planning.family import PlanningFamily, register_planning_family
+from lightning_eagle.planning.inputs import PlanInputs
+from lightning_eagle.planning.terms import OPTIMIZER_STEP, RESIDENT, TARGET_FORWARD, Term, dtype_name, gb, shard
+from lightning_eagle.run_settings import check_dspark_sequence_parallel
+
+DSPARK_PHASES = (TARGET_FORWARD, "teacher head", "draft blocks", OPTIMIZER_STEP)
 
 
 def dspark_outputs_bytes(inputs: PlanInputs) -> int:
@@ -65,3 +74,49 @@ def dspark_terms(inputs: PlanInputs, target: TargetShapes, draft: DraftShapes) -
         gathered = (draft.trainable - shard(draft.trainable, inputs)) * s.itemsize
         terms.append(Term(blocks, "drafter parameters gathered (FSDP2)", gathered))
     return terms
+
+
+def dspark_draft_shapes(config: DSparkDraftConfig) -> DraftShapes:
+    """The DSpark drafter's parameters, from the real module on meta: all trained (the embedding and ``lm_head`` are
+    the target's, not the drafter's); ``projection`` is ``context_proj``. Its backward is a census, not groups."""
+    from lightning_eagle.draft.dspark import DSparkDrafter
+
+    drafter = on_meta(lambda: DSparkDrafter(config))
+    sizes = {n: p.numel() for n, p in drafter.named_parameters()}
+    return DraftShapes(
+        trainable=sum(sizes.values()), frozen=0, buffer_bytes=0, largest_trainable=max(sizes.values()),
+        projection=sizes["context_proj.weight"], groups=(),
+    )  # fmt: skip
+
+
+def check_dspark(inputs: PlanInputs) -> None:
+    """What the plan refuses for a DSpark run: draft sequence parallelism (as the module does), a device other than
+    CUDA (the census counts CUDA's attention kernel)."""
+    check_dspark_sequence_parallel(inputs.draft_sp)
+    if inputs.device != "cuda":
+        raise ValueError(f"--device {inputs.device}: the DSpark plan counts CUDA's attention kernel only")
+
+
+def describe_dspark(inputs: PlanInputs) -> str:
+    i, d, settings = inputs, inputs.draft, inputs.draft_settings
+    ckpt = "on" if settings.activation_checkpointing else "off"
+    return (
+        f"micro-batch {i.batch_size} x {i.seq_len} tokens, DSpark {d.num_hidden_layers} layers, block "
+        f"{d.block_size}, {i.objective.num_anchors} anchors per row, {settings.block_chunk} per attention "
+        f"call, {settings.kv_form} K/V, activation checkpointing {ckpt}, target {dtype_name(i.target_dtype)} "
+        f"({i.expert_storage} experts), draft {dtype_name(i.draft_dtype)}, full vocabulary {d.vocab_size}"
+    )
+
+
+def dspark_census(inputs: PlanInputs) -> StepCensus:
+    """The census of the drafter's step at the planned micro-batch (:func:`dspark_step_census`)."""
+    return dspark_step_census(
+        inputs.draft, inputs.draft_settings, inputs.objective, batch_size=inputs.batch_size, seq_len=inputs.seq_len,
+        target_dtype=inputs.target_dtype,
+    )  # fmt: skip
+
+
+DSPARK_PLAN = register_planning_family(PlanningFamily(
+    name=DSPARK, phases=DSPARK_PHASES, draft_shapes=dspark_draft_shapes, check=check_dspark, step_terms=dspark_terms,
+    describe=describe_dspark, census=dspark_census,
+))  # fmt: skip

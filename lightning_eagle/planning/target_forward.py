@@ -16,7 +16,8 @@ from lightning_eagle.k3.config import KimiK3TextConfig
 from lightning_eagle.k3.kda_ops import safe_chunk_size
 from lightning_eagle.k3.token_chunks import TokenSegments
 from lightning_eagle.parallel.memory import TargetShapes
-from lightning_eagle.parallel.memory_plan.inputs import FP32, PlanInputs
+from lightning_eagle.planning.inputs import PlanInputs
+from lightning_eagle.planning.terms import FP32
 
 
 def situ_nograd_ws(rows: int, width: int, s: int) -> int:
@@ -254,7 +255,7 @@ def fsdp_gathers(inputs: PlanInputs, shapes: TargetShapes):
 # ``k3/token_chunks.py``, ``K3DecoderLayer._forward_segments``, ``KimiK3TextModel.forward_segments``: every layer runs
 # its per-token parts on one segment of ``N = B·C`` tokens at a time, writing into one preallocated ``[B,T,H]`` output.
 # The counts below were taken op by op from a census of the real chunked forward on the meta device
-# (``tests/parallel/test_parallel_memory_plan_target.py``).
+# (``tests/planning/test_planning_memory_plan_target.py``).
 
 
 def segment_bounds(inputs: PlanInputs) -> list[tuple[int, int]]:

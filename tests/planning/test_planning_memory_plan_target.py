@@ -1,7 +1,7 @@
-"""The memory plan's token-chunked target forward (``parallel/memory_plan/target_forward.py``, ``target_token_chunk``)
+"""The memory plan's token-chunked target forward (``planning/target_forward.py``, ``target_token_chunk``)
 against what the real chunked forward (``k3/token_chunks.py``, ``K3DecoderLayer._forward_segments``) allocates:
 
-* **Census on the meta device** (the method of ``test_parallel_memory_plan.py``: every storage an op creates watched
+* **Census on the meta device** (the method of ``test_planning_memory_plan.py``: every storage an op creates watched
   through a weak reference), per layer and per part of a layer — the token mixer (KDA), the channel mixer (dense
   SiTU / MoE), the rest (AttnRes mixes, norms, residual adds) — at a medium width and at the real K3 widths: within 3 %.
 * **Measured on CPU**: the peak RSS growth of ``target.capture`` in a fresh process (the ``_measure`` technique)
@@ -30,17 +30,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from plan_helpers import flat_plan_inputs, plan_with
-from test_parallel_memory_plan import MEDIUM, plan_inputs
+from test_planning_memory_plan import MEDIUM, plan_inputs
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_eagle.draft import Eagle3DraftConfig
 from lightning_eagle.k3 import config_from_name
 from lightning_eagle.parallel.memory import SkipInit, target_shapes
-from lightning_eagle.parallel.memory_plan import PlanInputs, build_plan
-from lightning_eagle.parallel.memory_plan.census import LiveBytes, meta_autocast_as_cpu
-from lightning_eagle.parallel.memory_plan.cpu_probe import PROBE_ENV
-from lightning_eagle.parallel.memory_plan.target_forward import (
+from lightning_eagle.planning import PlanInputs, build_plan
+from lightning_eagle.planning.census import LiveBytes, meta_autocast_as_cpu
+from lightning_eagle.planning.cpu_probe import PROBE_ENV
+from lightning_eagle.planning.target_forward import (
     chunked_layer_parts,
     chunked_stream_entries,
     target_forward_peak,
@@ -207,7 +207,7 @@ def _measure_capture(runs: list[tuple[int, int]]) -> list[int]:
     from lightning_eagle.k3.model import set_token_chunk
 
     torch.set_num_threads(1)
-    from lightning_eagle.parallel.memory_plan.cpu_probe import peak, reset_peak, rss
+    from lightning_eagle.planning.cpu_probe import peak, reset_peak, rss
 
     inputs = cpu_inputs(*runs[0])
     target = KimiK3ForCausalLM(inputs.target, expert_storage=inputs.expert_storage).init_weights(0)

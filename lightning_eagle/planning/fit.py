@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_eagle.parallel.memory import target_shapes
-from lightning_eagle.parallel.memory_plan.draft_shapes import shapes_of
-from lightning_eagle.parallel.memory_plan.inputs import PlanInputs
-from lightning_eagle.parallel.memory_plan.plan import MemoryPlan, build_plan, resident_terms
+from lightning_eagle.planning.family import planning_family
+from lightning_eagle.planning.inputs import PlanInputs
+from lightning_eagle.planning.plan import MemoryPlan, build_plan, resident_terms
 
 
 def legal_ep_sizes(num_experts: int, world: int) -> list[int]:
@@ -26,7 +26,7 @@ class Fit:
 
 def smallest_fit(inputs: PlanInputs, gpu_bytes: int, gpus_per_node: int, max_nodes: int = 256) -> Fit | None:
     """The fewest nodes (of ``gpus_per_node`` GPUs) on which some legal EP size fits, with the smallest such EP."""
-    target, draft = target_shapes(inputs.target), shapes_of(inputs.draft)
+    target, draft = target_shapes(inputs.target), planning_family(inputs.family).draft_shapes(inputs.draft)
     for nodes in range(1, max_nodes + 1):
         world = nodes * gpus_per_node
         for ep in legal_ep_sizes(inputs.target.num_experts, world):

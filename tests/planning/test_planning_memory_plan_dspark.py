@@ -1,5 +1,5 @@
-"""The memory plan of a DSpark run (``parallel/memory_plan/dspark_plan.py``): its drafter step is a census of the real
-step on the meta device (``training/dspark_memory.py``), checked here against the same step run for real on CPU
+"""The memory plan of a DSpark run (``planning/dspark_plan.py``): its drafter step is a census of the real
+step on the meta device (``planning/dspark_census.py``), checked here against the same step run for real on CPU
 (every storage counted the same way), and the shipped K3 config's verdict at 64K tokens per row."""
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import torch
 from lightning_eagle.commands.memory_plan import main as memory_plan_main
 from lightning_eagle.commands.memory_plan import run_config_from_yaml
 from lightning_eagle.draft.dspark_config import dspark_config_from_preset
-from lightning_eagle.parallel.memory_plan import DSPARK_PHASES, build_plan
-from lightning_eagle.run_settings import DSparkDraftSettings, DSparkObjectiveSettings
-from lightning_eagle.training.dspark_memory import dspark_step_census
+from lightning_eagle.draft.dspark_export import DSPARK
+from lightning_eagle.planning import build_plan
+from lightning_eagle.planning.dspark_census import dspark_step_census
+from lightning_eagle.planning.dspark_plan import DSPARK_PHASES
+from lightning_eagle.run_settings import DSparkDraftSettings, DSparkObjectiveSettings, TargetSettings
 
 TINY = dspark_config_from_preset("k3-tiny")
 
@@ -55,7 +57,7 @@ def test_checkpointing_and_the_chunked_loss_shrink_the_census():
 def test_the_plan_of_a_dspark_config_names_its_phases_and_terms(tmp_path):
     run = run_config_from_yaml("quickstart_dspark", device="cuda")
     plan = build_plan(run.inputs)
-    assert run.inputs.family == "dspark" and plan.peak_phase in DSPARK_PHASES
+    assert run.inputs.family == DSPARK and plan.peak_phase in DSPARK_PHASES
     names = {t.name for t in plan.terms}
     assert {"drafter activations kept for the backward", "backward working set", "target outputs (taps, final hidden)",
             "draft parameters", "AdamW states"} <= names  # fmt: skip
@@ -85,9 +87,10 @@ def test_dspark_plan_refusals(tmp_path, capsys):
 def test_the_plan_refuses_dspark_sequence_parallelism_with_the_modules_words():
     from lightning_eagle.k3 import config_from_name
     from lightning_eagle.parallel.layout import ParallelLayout
-    from lightning_eagle.parallel.memory_plan import PlanInputs
+    from lightning_eagle.planning import PlanInputs
 
     layout = ParallelLayout(world_size=2, draft_sequence_parallel_size=2)
     with pytest.raises(ValueError, match=r"draft_sequence_parallel_size=2 is not supported for a DSpark draft"):
-        PlanInputs(target=config_from_name("k3-tiny"), draft=TINY, layout=layout, draft_settings=DSparkDraftSettings(),
+        PlanInputs(target=config_from_name("k3-tiny"), draft=TINY, family=DSPARK, layout=layout,
+                   target_settings=TargetSettings(), draft_settings=DSparkDraftSettings(),
                    objective=DSparkObjectiveSettings())  # fmt: skip

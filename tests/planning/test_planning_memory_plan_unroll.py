@@ -1,6 +1,6 @@
-"""The memory plan's draft unroll (``parallel/memory_plan/draft_forward.py``, ``draft_backward.py``) for the
+"""The memory plan's draft unroll (``planning/eagle3_unroll_forward.py``, ``eagle3_unroll_backward.py``) for the
 long-context mechanisms, against a census of the real ``ttt_loss`` on the meta device (the method of
-``test_parallel_memory_plan.py``: every storage an op creates watched through a weak reference; "kept after the
+``test_planning_memory_plan.py``: every storage an op creates watched through a weak reference; "kept after the
 forward" exact, the unroll peak within 3 %):
 
 * ``flash_lse`` without any ``[T,T]`` mask (unpadded / right-padded rows: a tensor-free ``CausalBlock``);
@@ -22,22 +22,23 @@ import functools
 import pytest
 import torch
 from plan_helpers import plan_with
-from test_parallel_memory_plan import MEDIUM, TINY, k3_inputs, plan_inputs
+from test_planning_memory_plan import MEDIUM, TINY, k3_inputs, plan_inputs
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_eagle.draft import KimiK3Eagle3Draft
 from lightning_eagle.parallel.memory import SkipInit
-from lightning_eagle.parallel.memory_plan import PlanInputs
-from lightning_eagle.parallel.memory_plan.census import LiveBytes, meta_autocast_as_cpu
-from lightning_eagle.parallel.memory_plan.draft_backward import unroll_peak
-from lightning_eagle.parallel.memory_plan.draft_forward import (
+from lightning_eagle.planning import PlanInputs
+from lightning_eagle.planning.census import LiveBytes, meta_autocast_as_cpu
+from lightning_eagle.planning.eagle3_shapes import eagle3_draft_shapes
+from lightning_eagle.planning.eagle3_unroll_backward import unroll_peak
+from lightning_eagle.planning.eagle3_unroll_forward import (
     DraftDims,
     attention_core_saved,
     cache_entry_bytes,
     step_kept,
+    ttt_attention_backend,
     unroll_shared_saved,
 )
-from lightning_eagle.parallel.memory_plan.draft_shapes import draft_shapes
 
 aten = torch.ops.aten
 _ANY = (aten.any.default, aten.any.dim, aten.any.dims)
@@ -89,9 +90,8 @@ def unroll_census(inputs: PlanInputs) -> tuple[int, int]:
     B, T, N_d = inputs.batch_size, inputs.seq_len, inputs.draft.draft_vocab_size
     H_t = inputs.target.hidden_size
     with torch.device("meta"), SkipInit():
-        draft = KimiK3Eagle3Draft(
-            inputs.draft, attention_backend=inputs.attention_backend, ttt_kv_cache=inputs.ttt_kv_cache
-        ).to(inputs.draft_dtype)
+        backend, cache = ttt_attention_backend(inputs), inputs.draft_settings.ttt_kv_cache
+        draft = KimiK3Eagle3Draft(inputs.draft, attention_backend=backend, ttt_kv_cache=cache).to(inputs.draft_dtype)
         for p in draft.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
@@ -112,7 +112,7 @@ def unroll_census(inputs: PlanInputs) -> tuple[int, int]:
     step = checkpointed_draft_step if inputs.activation_checkpointing else draft_step
     with meta_autocast_as_cpu(), mode:
         out = ttt_loss(
-            draft, ids, ones, ids, aux, teacher=teacher, ttt_steps=inputs.ttt_steps, draft_step_fn=step,
+            draft, ids, ones, ids, aux, teacher=teacher, ttt_steps=inputs.objective.ttt_steps, draft_step_fn=step,
             loss_backend=inputs.loss_backend, loss_chunk=inputs.loss_chunk,
         )  # fmt: skip
         kept = mode.live()
@@ -123,7 +123,7 @@ def unroll_census(inputs: PlanInputs) -> tuple[int, int]:
 def planned(inputs: PlanInputs):
     d = DraftDims.of(inputs)
     shared = unroll_shared_saved(d, inputs.target_dtype, inputs.draft_dtype)
-    return unroll_peak(d, inputs.activation_checkpointing, shared, draft_shapes(inputs.draft))
+    return unroll_peak(d, inputs.activation_checkpointing, shared, eagle3_draft_shapes(inputs.draft))
 
 
 def k3(**changes) -> PlanInputs:
@@ -135,7 +135,7 @@ def quickstart(spec: dict, **changes) -> PlanInputs:
 
 
 CASES = [
-    # the census cases of test_parallel_memory_plan.py, with the host reads answered (flash_lse has no mask now)
+    # the census cases of test_planning_memory_plan.py, with the host reads answered (flash_lse has no mask now)
     pytest.param(lambda: k3(), id="k3-ckpt-flash-no-mask"),
     pytest.param(lambda: k3_inputs(seq_len=256, ttt_steps=3, draft_dtype=torch.float32), id="k3-fp32-buffers"),
     pytest.param(lambda: quickstart(TINY), id="quickstart-eager"),
@@ -202,7 +202,7 @@ def test_sequence_parallel_adds_the_exchanges_and_shrinks_the_rest():
     peaks = {}
     for sp in (1, 8):
         inputs = k3_inputs(**base, draft_sp=sp)
-        shapes = shapes or draft_shapes(inputs.draft)
+        shapes = shapes or eagle3_draft_shapes(inputs.draft)
         d = DraftDims.of(inputs)
         peaks[sp] = unroll_peak(d, True, unroll_shared_saved(d, inputs.target_dtype, inputs.draft_dtype), shapes)
     assert not any("exchange" in stage for stage in peaks[1].stages)
@@ -256,7 +256,7 @@ def test_flash_lse_working_sets_match_a_census_of_one_call(monkeypatch, changes,
     :func:`attention_forward_ws`, its backward peak the saved output/LSE plus :func:`attention_backward_ws` (the
     slot-chunked diagonal dominates at T = 512, k = 6; the block kernel elsewhere), within 2 %."""
     from lightning_eagle.draft import ttt_attention as tta
-    from lightning_eagle.parallel.memory_plan.draft_backward import attention_backward_ws, attention_forward_ws
+    from lightning_eagle.planning.eagle3_unroll_backward import attention_backward_ws, attention_forward_ws
 
     if chunk is not None:
         monkeypatch.setattr(tta, "DEFAULT_DIAGONAL_CHUNK", chunk)
@@ -285,8 +285,8 @@ def _sp_census_rank(rank, world, inputs: PlanInputs) -> tuple[int, int]:
     from lightning_eagle.training.ttt import checkpointed_draft_step, draft_step, ttt_loss
 
     torch.manual_seed(0)
-    B, T, K, N_d = inputs.batch_size, inputs.seq_len, inputs.ttt_steps, inputs.draft.draft_vocab_size
-    draft = KimiK3Eagle3Draft(inputs.draft, attention_backend=inputs.attention_backend).to(inputs.draft_dtype)
+    B, T, K, N_d = inputs.batch_size, inputs.seq_len, inputs.objective.ttt_steps, inputs.draft.draft_vocab_size
+    draft = KimiK3Eagle3Draft(inputs.draft, attention_backend=ttt_attention_backend(inputs)).to(inputs.draft_dtype)
     for p in draft.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)

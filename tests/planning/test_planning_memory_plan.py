@@ -1,4 +1,4 @@
-"""The per-rank memory plan (:mod:`lightning_eagle.parallel.memory_plan`) against what the code really allocates, and
+"""The per-rank memory plan (:mod:`lightning_eagle.planning`) against what the code really allocates, and
 its command line (:mod:`lightning_eagle.commands.memory_plan`).
 
 Two checks of different strength:
@@ -34,12 +34,12 @@ from lightning_eagle.commands.memory_plan import main as memory_plan_main
 from lightning_eagle.commands.memory_plan import run_config_from_yaml
 from lightning_eagle.draft import Eagle3DraftConfig, KimiK3Eagle3Draft
 from lightning_eagle.k3 import config_from_name
-from lightning_eagle.parallel.memory_plan import PlanInputs, build_plan
-from lightning_eagle.parallel.memory_plan.cpu_probe import PROBE_ENV
-from lightning_eagle.parallel.memory_plan.draft_backward import unroll_peak
-from lightning_eagle.parallel.memory_plan.draft_forward import DraftDims, unroll_shared_saved
-from lightning_eagle.parallel.memory_plan.draft_shapes import draft_shapes
-from lightning_eagle.parallel.memory_plan.target_forward import moe_layer_ws
+from lightning_eagle.planning import PlanInputs, build_plan
+from lightning_eagle.planning.cpu_probe import PROBE_ENV
+from lightning_eagle.planning.eagle3_shapes import eagle3_draft_shapes
+from lightning_eagle.planning.eagle3_unroll_backward import unroll_peak
+from lightning_eagle.planning.eagle3_unroll_forward import DraftDims, ttt_attention_backend, unroll_shared_saved
+from lightning_eagle.planning.target_forward import moe_layer_ws
 
 GB = 1e9
 REPO = Path(__file__).resolve().parents[2]
@@ -91,7 +91,7 @@ def _measure(spec: dict) -> dict:
     from lightning_eagle.training.ttt import checkpointed_draft_step, draft_step, ttt_loss
 
     torch.set_num_threads(1)
-    from lightning_eagle.parallel.memory_plan.cpu_probe import peak, reset_peak, rss
+    from lightning_eagle.planning.cpu_probe import peak, reset_peak, rss
 
     inputs = plan_inputs(spec)
     B, T, V = inputs.batch_size, inputs.seq_len, inputs.target.vocab_size
@@ -101,14 +101,15 @@ def _measure(spec: dict) -> dict:
     base = rss()
     target = KimiK3ForCausalLM(inputs.target, expert_storage=inputs.expert_storage).init_weights(0)
     target = target.cast_to(inputs.target_dtype).freeze()
-    draft = KimiK3Eagle3Draft(inputs.draft, attention_backend=inputs.attention_backend)
+    draft = KimiK3Eagle3Draft(inputs.draft, attention_backend=ttt_attention_backend(inputs))
     draft.copy_embeddings_from(target.model.embed_tokens.weight)
     draft = draft.to(inputs.draft_dtype)
     params = rss() - base  # before any forward: the first call of each kernel leaves lazy global state behind
     tensors = [*target.parameters(), *target.buffers(), *draft.parameters(), *draft.buffers()]
     param_tensor_bytes = sum(t.numel() * t.element_size() for t in tensors)
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95))
-    teacher = partial(compute_teacher, vocab_chunk=inputs.teacher_vocab_chunk, seq_chunk=inputs.teacher_seq_chunk)
+    objective = inputs.objective
+    teacher = partial(compute_teacher, vocab_chunk=objective.teacher_vocab_chunk, seq_chunk=objective.teacher_seq_chunk)
     step_fn = checkpointed_draft_step if inputs.activation_checkpointing else draft_step
 
     def capture():
@@ -120,7 +121,7 @@ def _measure(spec: dict) -> dict:
         out = ttt_loss(
             draft, shift_left(ids), ones, shift_left(ones), cap.aux_hidden_states,
             final_hidden=shift_left(cap.final_hidden), lm_head_weight=target.lm_head.weight, teacher_fn=teacher,
-            ttt_steps=inputs.ttt_steps, draft_step_fn=step_fn,
+            ttt_steps=inputs.objective.ttt_steps, draft_step_fn=step_fn,
         )  # fmt: skip
         del cap
         out.loss.backward()
@@ -191,13 +192,13 @@ def k3_inputs(**changes) -> PlanInputs:
 def test_unroll_terms_match_the_census_of_the_real_unroll(inputs):
     # the census that answers the unroll's host reads on meta (the CausalBlock padding check); the module-level
     # import would be circular: that file reuses this one's specs
-    from test_parallel_memory_plan_unroll import unroll_census
+    from test_planning_memory_plan_unroll import unroll_census
 
     inputs = inputs()
     kept, peak = unroll_census(inputs)
     d = DraftDims.of(inputs)
     shared = unroll_shared_saved(d, inputs.target_dtype, inputs.draft_dtype)
-    planned = unroll_peak(d, inputs.activation_checkpointing, shared, draft_shapes(inputs.draft))
+    planned = unroll_peak(d, inputs.activation_checkpointing, shared, eagle3_draft_shapes(inputs.draft))
     assert planned.kept_after_forward == pytest.approx(kept, rel=0.001)  # exact but for [B,T] bookkeeping
     assert planned.peak == pytest.approx(peak, rel=0.03)
 
@@ -335,7 +336,7 @@ def test_64k_config_fits_80gb_with_every_long_context_mechanism_planned(capsys):
     run = run_config_from_yaml("kimi_k3_eagle3_64k", target_config="k3")
     i = run.inputs
     assert (i.seq_len, i.world, i.ep, i.draft_sp) == (65536, 64, 64, 8)
-    assert (i.loss_backend, i.target_token_chunk, i.attention_backend, i.activation_checkpointing) == (
+    assert (i.loss_backend, i.target_token_chunk, ttt_attention_backend(i), i.activation_checkpointing) == (
         "chunked", 4096, "flash_lse", True,
     )  # fmt: skip
     plan = build_plan(i)

@@ -1,4 +1,5 @@
-"""The draft unroll's forward: what autograd keeps per TTT step (``training/ttt.py``, ``draft/``), tensor by tensor.
+"""The EAGLE-3 draft unroll's forward: what autograd keeps per TTT step (``training/ttt.py``, ``draft/``), tensor by
+tensor.
 
 Each function names the tensors it counts and why they are alive: an op saves the inputs its backward needs;
 ``x.float()`` of an fp32 tensor is the tensor itself; a view keeps its base storage alive.
@@ -10,7 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_eagle.parallel.memory_plan.inputs import FP32, PlanInputs
+from lightning_eagle.backends import TTT_ATTENTION_BACKEND
+from lightning_eagle.planning.inputs import PlanInputs
+from lightning_eagle.planning.terms import FP32
+
+
+def ttt_attention_backend(inputs: PlanInputs) -> str:
+    """The TTT attention that runs on the planned device (``auto`` resolved as ``fit`` resolves it there)."""
+    return TTT_ATTENTION_BACKEND.resolve(
+        inputs.draft_settings.attention_backend, inputs.device, flex_available=inputs.flex_available
+    )
 
 
 # ---- draft activation shapes ---------------------------------------------------------------------------------
@@ -50,7 +60,7 @@ class DraftDims:
             B=inputs.batch_size,
             T=inputs.local_seq_len,
             T_keys=inputs.local_seq_len * inputs.draft_sp,
-            K=inputs.ttt_steps,
+            K=inputs.objective.ttt_steps,
             H=c.hidden_size,
             H_t=c.target_hidden_size or c.hidden_size,
             n=c.num_attention_heads,
@@ -65,9 +75,9 @@ class DraftDims:
             s=inputs.draft_dtype.itemsize,
             s_t=inputs.target_dtype.itemsize,
             gate=c.mla_use_output_gate,
-            backend=inputs.attention_backend,
+            backend=ttt_attention_backend(inputs),
             cpu=inputs.device == "cpu",
-            kv_cache=inputs.ttt_kv_cache,
+            kv_cache=inputs.draft_settings.ttt_kv_cache,
             loss=inputs.loss_backend,
             loss_chunk=inputs.loss_chunk,
             sp=inputs.draft_sp,

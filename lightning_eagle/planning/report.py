@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 from lightning_eagle.parallel.memory import GB
-from lightning_eagle.parallel.memory_plan.fit import Fit
-from lightning_eagle.parallel.memory_plan.inputs import RESIDENT, PlanInputs, dtype_name
-from lightning_eagle.parallel.memory_plan.plan import MemoryPlan
+from lightning_eagle.planning.family import planning_family
+from lightning_eagle.planning.fit import Fit
+from lightning_eagle.planning.inputs import PlanInputs
+from lightning_eagle.planning.plan import MemoryPlan
+from lightning_eagle.planning.terms import RESIDENT
 
 
 def plan_header(inputs: PlanInputs, nodes: int, gpus_per_node: int, target_label: str) -> str:
@@ -16,25 +18,10 @@ def plan_header(inputs: PlanInputs, nodes: int, gpus_per_node: int, target_label
     world = f"world {i.world} ({cluster})" if i.world == nodes * gpus_per_node else f"world {i.world}"
     dense = f"dense weights FSDP2-sharded over {i.world}" if i.dense_sharded else "dense weights replicated"
     draft = "sharded" if i.draft_shard else "replicated"
-    ckpt = "on" if i.draft_settings.activation_checkpointing else "off"
-    if i.family == "dspark":
-        d, settings = i.draft, i.draft_settings
-        draft_line = (
-            f"micro-batch {i.batch_size} x {i.seq_len} tokens, DSpark {d.num_hidden_layers} layers, block "
-            f"{d.block_size}, {i.objective.num_anchors} anchors per row, {settings.block_chunk} per attention "
-            f"call, {settings.kv_form} K/V, activation checkpointing {ckpt}, target {dtype_name(i.target_dtype)} "
-            f"({i.expert_storage} experts), draft {dtype_name(i.draft_dtype)}, full vocabulary {d.vocab_size}"
-        )
-    else:
-        draft_line = (
-            f"micro-batch {i.batch_size} x {i.seq_len} tokens, ttt_steps {i.ttt_steps}, attention "
-            f"{i.attention_backend}, activation checkpointing {ckpt}, target {dtype_name(i.target_dtype)} "
-            f"({i.expert_storage} experts), draft {dtype_name(i.draft_dtype)}, N_d {i.draft.draft_vocab_size}"
-        )
     return "\n".join([
         f"target: {target_label}",
         f"{world}, expert_parallel_size {i.ep} ({i.target.num_experts // i.ep} experts/layer), {dense}, draft {draft}",
-        draft_line,
+        planning_family(i.family).describe(i),
         f"assumptions: {i.device} kernels, MoE load factor {i.moe_load_factor}, "
         f"runtime reserve {i.reserve_bytes / GB:.1f} GB",
     ])  # fmt: skip

@@ -1,11 +1,11 @@
 """The DSpark step as the memory plan counts it: the real drafter forward, supervised rows, block objective and
 backward of :meth:`~lightning_eagle.training.dspark_module.DSparkModule.shared_step`, run on the meta device at the
-planned shapes under :class:`~lightning_eagle.parallel.memory_plan.census.LiveBytes`.
+planned shapes under :class:`~lightning_eagle.planning.census.LiveBytes`.
 
 The worst case the plan states: every row is ``seq_len`` tokens, every position is supervised, so each row draws
 ``min(num_anchors, seq_len)`` anchors and every slot of every block is a supervised row of the objective (meta's
 ``nonzero`` answers "all non-zero"). Attention runs CUDA's masked kernel
-(:func:`~lightning_eagle.parallel.memory_plan.census.cuda_attention_on_meta`). Not counted here (the plan adds them
+(:func:`~lightning_eagle.planning.census.cuda_attention_on_meta`). Not counted here (the plan adds them
 analytically): the target's outputs and weights, the drafter's parameters, gradients and optimizer states, the whole
 ``lm_head`` a dense-sharded target gathers for the objective.
 """
@@ -24,7 +24,7 @@ from lightning_eagle.draft.dspark import DSparkDrafter
 from lightning_eagle.draft.dspark_config import DSparkDraftConfig
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.parallel.memory import SkipInit
-from lightning_eagle.parallel.memory_plan.census import (
+from lightning_eagle.planning.census import (
     LiveBytes,
     StepCensus,
     cuda_attention_on_meta,

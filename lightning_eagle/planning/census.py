@@ -9,7 +9,7 @@ score matrix; with a mask, on CUDA, the dispatcher picks the memory-efficient ke
 context runs that kernel's meta twin with the additive bias the dispatcher makes of a boolean mask, in the query dtype,
 its last dimension padded to a multiple of 16, so the census counts what the GPU holds).
 
-The DSpark memory plan is such a census (:mod:`lightning_eagle.training.dspark_memory`); the EAGLE-3 plan's terms are
+The DSpark memory plan is such a census (:mod:`lightning_eagle.planning.dspark_census`); the EAGLE-3 plan's terms are
 analytic and this census is what its tests check them against.
 """
 
