@@ -47,7 +47,7 @@ both at real lengths (``time_ratio`` = fast ms / twin ms, ``peak_ratio`` = fast 
   heads, d_qk 192, d_v 128, T = 1000 (not a multiple of the 256-query chunk); cost of step K−1, forward + backward,
   at T = 4096, 8192 and 16384 (eager's ``[1,96,T,T+k]`` fp32 scores and probabilities do not fit at 16384: a
   "twin OOM" note).
-* ``latent_cache`` — ``ttt_kv_cache="latent"`` vs ``"expanded"``: flash_lse over MLA latents (r 512 + rope 64,
+* ``latent_cache`` — ``kv_cache="latent"`` vs ``"expanded"``: flash_lse over MLA latents (r 512 + rope 64,
   expanded per 256-slot chunk) vs flash_lse over the expanded cache, gradients of q, every latent, rope key and
   ``kv_b``; cost: one checkpointed TTT step of the draft (flash_lse, chunked loss) at T = 16384 with either cache,
   whose losses must agree to 1e-2 (``loss_rel_diff``).
@@ -909,7 +909,7 @@ def latent_inputs(device, B, n, T, nope, rope, d_v, r, steps, seed=0):
 
 
 def section_latent_cache(device: torch.device, sizes: Sizes) -> list[dict]:
-    """``ttt_kv_cache="latent"`` vs ``"expanded"``: the flash_lse TTT attention over a cache of MLA latents (K/V
+    """``kv_cache="latent"`` vs ``"expanded"``: the flash_lse TTT attention over a cache of MLA latents (K/V
     expanded per slot chunk, recomputed in the backward) vs flash_lse over the expanded cache (same ChunkedKernel),
     forward + the gradients of q, every latent and rope key and ``kv_b``; then one checkpointed TTT training step of
     the draft with either cache."""
@@ -955,7 +955,7 @@ def configure_long(draft, long: bool) -> dict:
     from lightning_eagle.training.ttt import checkpointed_draft_step, draft_step
 
     draft.attention_backend = "flash_lse" if long else "eager"
-    draft.ttt_kv_cache = "latent" if long else "expanded"
+    draft.kv_cache = "latent" if long else "expanded"
     return {
         "draft_step_fn": checkpointed_draft_step if long else draft_step,
         "loss_backend": "chunked" if long else "plain",
@@ -987,7 +987,7 @@ def latent_step_cost(device: torch.device, sizes: Sizes) -> dict:
     losses = {}
 
     def run(cache: str):
-        draft.ttt_kv_cache = cache
+        draft.kv_cache = cache
         losses[cache] = training_step(draft, batch, sizes, **options)().item()
 
     row = cost_row(
@@ -1281,7 +1281,7 @@ def section_dspark_vllm(device: torch.device, vllm_python: str | None) -> list[d
 def section_dspark_memory(device: torch.device) -> list[dict]:
     from lightning_eagle.draft.dspark_config import dspark_config_from_preset
     from lightning_eagle.planning.dspark_census import dspark_step_census
-    from lightning_eagle.run_settings import DSparkDraftSettings, DSparkObjectiveSettings
+    from lightning_eagle.training.dspark_settings import DSparkDraftSettings, DSparkObjectiveSettings
 
     cuda = device.type == "cuda"
     config = dspark_config_from_preset("k3", num_hidden_layers=2) if cuda else dspark_config_from_preset("k3-tiny")

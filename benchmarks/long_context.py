@@ -42,12 +42,12 @@ TARGET = {  # k3-tiny widened: every K3 structure, hundreds of MB per phase at T
 DRAFT = {"intermediate_size": 1024}
 BASE = {"B": 1, "K": 7, "N_d": 1024, "aux": [1, 3, 5], "dtype": "float32", "storage": "mxfp4", "warmup_T": 256}
 TODAY = {
-    **BASE, "backend": "flash_lse", "ckpt": True, "loss_backend": "plain", "ttt_kv_cache": "expanded",
+    **BASE, "backend": "flash_lse", "ckpt": True, "loss_backend": "plain", "kv_cache": "expanded",
     "target_token_chunk": None,
 }  # fmt: skip
 LONG = {
     **BASE, "backend": "flash_lse", "ckpt": True, "loss_backend": "chunked", "loss_chunk": 1024,
-    "ttt_kv_cache": "latent", "target_token_chunk": 1024,
+    "kv_cache": "latent", "target_token_chunk": 1024,
 }  # fmt: skip
 
 
@@ -68,7 +68,7 @@ def plan_inputs(spec: dict, T: int):
         target_settings=TargetSettings(dtype=spec["dtype"], expert_storage=spec["storage"],
                                        token_chunk=spec["target_token_chunk"], aux_layer_ids=tuple(spec["aux"])),
         draft_settings=DraftSettings(dtype=spec["dtype"], attention_backend=spec["backend"],
-                                     activation_checkpointing=spec["ckpt"], ttt_kv_cache=spec["ttt_kv_cache"]),
+                                     activation_checkpointing=spec["ckpt"], kv_cache=spec["kv_cache"]),
         objective=ObjectiveSettings(ttt_steps=spec["K"], loss_backend=spec["loss_backend"],
                                     loss_chunk=spec.get("loss_chunk", 1024)),
         batch_size=spec["B"], seq_len=T, accumulate_grad_batches=2, device="cpu", reserve_bytes=0,
@@ -92,7 +92,7 @@ def build(spec: dict, T: int):
     target = target.cast_to(inputs.target_dtype).freeze()
     set_token_chunk(target, inputs.target_token_chunk)
     draft = KimiK3Eagle3Draft(inputs.draft, attention_backend=ttt_attention_backend(inputs))
-    draft.ttt_kv_cache = inputs.draft_settings.ttt_kv_cache
+    draft.kv_cache = inputs.draft_settings.kv_cache
     draft.copy_embeddings_from(target.model.embed_tokens.weight)
     draft = draft.to(inputs.draft_dtype)
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95))

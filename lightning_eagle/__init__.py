@@ -33,8 +33,8 @@ _EXPORTS = {
     "DraftSettings": "lightning_eagle.run_settings",
     "ObjectiveSettings": "lightning_eagle.run_settings",
     "OptimizationSettings": "lightning_eagle.run_settings",
-    "DSparkDraftSettings": "lightning_eagle.run_settings",
-    "DSparkObjectiveSettings": "lightning_eagle.run_settings",
+    "DSparkDraftSettings": "lightning_eagle.training.dspark_settings",
+    "DSparkObjectiveSettings": "lightning_eagle.training.dspark_settings",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -47,15 +47,9 @@ if TYPE_CHECKING:  # pragma: no cover — what IDEs and type checkers see; a tes
     from lightning_eagle.k3.presets import config_from_name
     from lightning_eagle.parallel.layout import ParallelLayout
     from lightning_eagle.parallel.strategy import ExpertParallelStrategy
-    from lightning_eagle.run_settings import (
-        DraftSettings,
-        DSparkDraftSettings,
-        DSparkObjectiveSettings,
-        ObjectiveSettings,
-        OptimizationSettings,
-        TargetSettings,
-    )
+    from lightning_eagle.run_settings import DraftSettings, ObjectiveSettings, OptimizationSettings, TargetSettings
     from lightning_eagle.training.dspark_module import DSparkModule
+    from lightning_eagle.training.dspark_settings import DSparkDraftSettings, DSparkObjectiveSettings
     from lightning_eagle.training.module import Eagle3Module
 
 

@@ -40,16 +40,22 @@ TARGET_SOURCES = ("online", "features")
 TARGET_DTYPES = ("float32", "bfloat16", "float16")
 DRAFT_DTYPES = TARGET_DTYPES
 EXPERT_STORAGES = ("dequantized", "mxfp4")
-TTT_KV_CACHES = ("expanded", "latent")
+KV_CACHES = ("expanded", "latent")  # the draft K/V cache of both families: per-head K/V, or the MLA latent
 MAX_USEFUL_TTT_STEPS = 16  # past this the settings warn: engines draft 3-8 tokens, decay^k leaves later steps ~0
 
 
-def _choice(key: str, value: object, choices: tuple[str, ...]) -> None:
+def check_kv_cache(name: str, key: str = "kv_cache") -> str:
+    """``name`` if it is one of :data:`KV_CACHES`, else ``ValueError`` naming ``key`` and the choices."""
+    choice(key, name, KV_CACHES)
+    return name
+
+
+def choice(key: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{key} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
-def _flag(key: str, value: object) -> None:
+def flag(key: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{key} must be true or false, got {value!r}")
 
@@ -76,10 +82,10 @@ class TargetSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"model.target.path must be a checkpoint folder or 'quickstart', got {self.path!r}")
-        _choice("model.target.source", self.source, TARGET_SOURCES)
-        _choice("model.target.aux_stream", self.aux_stream, AUX_STREAMS)
-        _choice("model.target.dtype", self.dtype, TARGET_DTYPES)
-        _choice("model.target.expert_storage", self.expert_storage, EXPERT_STORAGES)
+        choice("model.target.source", self.source, TARGET_SOURCES)
+        choice("model.target.aux_stream", self.aux_stream, AUX_STREAMS)
+        choice("model.target.dtype", self.dtype, TARGET_DTYPES)
+        choice("model.target.expert_storage", self.expert_storage, EXPERT_STORAGES)
         if self.aux_layer_ids is not None:
             object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
         check_positive_int_or_none("model.target.token_chunk", self.token_chunk, "tokens per segment", "unchunked")
@@ -92,7 +98,7 @@ class DraftSettings:
     ``config``: fields of the draft config to override (``{"intermediate_size": 4096, "architecture":
     "deepseek_mla"}``); the taps, their stream and the draft vocabulary come from ``model.target`` and the data
     module, never from here. ``attention_backend``: TTT attention (``"auto"`` per device, or ``"eager"``,
-    ``"flash_lse"``, ``"sdpa_mask"``, ``"flex_attention"``); ``ttt_kv_cache``: ``"expanded"`` or ``"latent"``
+    ``"flash_lse"``, ``"sdpa_mask"``, ``"flex_attention"``); ``kv_cache``: ``"expanded"`` or ``"latent"``
     (MLA's latent + rope key per step); ``activation_checkpointing``: recompute each TTT step in the backward;
     ``shard``: FSDP2-shard the draft's parameters, gradients and AdamW states over all ranks; ``init_seed``: the
     draft's random init, the same on every rank; ``dtype``: its training dtype.
@@ -100,7 +106,7 @@ class DraftSettings:
 
     config: dict[str, Any] | None = None
     attention_backend: str = "auto"
-    ttt_kv_cache: Literal[TTT_KV_CACHES] = "expanded"
+    kv_cache: Literal[KV_CACHES] = "expanded"
     activation_checkpointing: bool = False
     shard: bool = False
     init_seed: int = 0
@@ -118,10 +124,10 @@ class DraftSettings:
             backends.TTT_ATTENTION_BACKEND.check(self.attention_backend)
         except ValueError as err:
             raise ValueError(f"model.draft.attention_backend: {err}") from None
-        _choice("model.draft.ttt_kv_cache", self.ttt_kv_cache, TTT_KV_CACHES)
-        _choice("model.draft.dtype", self.dtype, DRAFT_DTYPES)
-        _flag("model.draft.activation_checkpointing", self.activation_checkpointing)
-        _flag("model.draft.shard", self.shard)
+        choice("model.draft.kv_cache", self.kv_cache, KV_CACHES)
+        choice("model.draft.dtype", self.dtype, DRAFT_DTYPES)
+        flag("model.draft.activation_checkpointing", self.activation_checkpointing)
+        flag("model.draft.shard", self.shard)
         check_settings("model.draft", {"init_seed": (self.init_seed, "non_negative", int)})
 
     def __hash__(self) -> int:  # `config` is a dict: hash what identifies the settings
@@ -197,109 +203,20 @@ class OptimizationSettings:
 MODEL_GROUPS = {"target": TargetSettings, "draft": DraftSettings, "objective": ObjectiveSettings,
                 "optimization": OptimizationSettings}  # fmt: skip
 
-DSPARK_KV_FORMS = ("latent", "expanded")
-# DSpark draft config fields that other settings own (the draft config is built from them and the target's config).
-DSPARK_CONFIG_ELSEWHERE = {
-    "target_layer_ids": "model.target.aux_layer_ids",
-    "aux_hidden_state_stream": "model.target.aux_stream",
-    "vocab_size": "the target's config.json (the embedding and LM head are the target's)",
-    "target_hidden_size": "the target's config.json",
-    "target_num_hidden_layers": "the target's config.json",
-}
-
-
-@dataclass(frozen=True)
-class DSparkDraftSettings:
-    """``model.draft`` of a DSpark run: the block drafter and how it is built and run.
-
-    ``preset``: the architecture to start from (``"k3"``: vLLM's K3 DSpark layout; ``"k3-tiny"``: the quickstart
-    target's), checked when the module builds the config; ``config``: its fields to override (``{"block_size": 7}``);
-    the taps, their stream, the vocabulary and the target's width and depth come from ``model.target``, never from
-    here. ``block_chunk``: anchors per attention call (None: all at once); ``kv_form``: ``"latent"`` keys (what vLLM
-    caches) or the ``"expanded"`` twin; ``activation_checkpointing``: keep only each layer's input and recompute the
-    layer in the backward (long rows); ``shard``: FSDP2-shard the drafter's parameters, gradients and AdamW states
-    over all ranks (as EAGLE-3's ``model.draft.shard``); ``init_seed``: the random init, the same on every rank;
-    ``dtype``: the training dtype.
-    """
-
-    preset: str = "k3"
-    config: dict[str, Any] | None = None
-    block_chunk: int | None = 64
-    kv_form: Literal[DSPARK_KV_FORMS] = "latent"
-    activation_checkpointing: bool = False
-    shard: bool = False
-    init_seed: int = 0
-    dtype: Literal[DRAFT_DTYPES] = "float32"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.preset, str) or not self.preset:
-            raise ValueError(f"model.draft.preset must be a DSpark preset name ('k3', 'k3-tiny'), got {self.preset!r}")
-        if self.config is not None and not isinstance(self.config, Mapping):
-            raise ValueError(f"model.draft.config must be a mapping of DSpark draft config fields, got {self.config!r}")
-        doubled = sorted(set(self.config or {}) & set(DSPARK_CONFIG_ELSEWHERE))
-        if doubled:
-            where = "; ".join(f"model.draft.config.{k}: set {DSPARK_CONFIG_ELSEWHERE[k]} instead" for k in doubled)
-            raise ValueError(f"{where} (a setting has one source of truth)")
-        object.__setattr__(self, "config", dict(self.config or {}))
-        check_positive_int_or_none("model.draft.block_chunk", self.block_chunk, "anchors per call", "all at once")
-        _choice("model.draft.kv_form", self.kv_form, DSPARK_KV_FORMS)
-        _choice("model.draft.dtype", self.dtype, DRAFT_DTYPES)
-        _flag("model.draft.shard", self.shard)
-        _flag("model.draft.activation_checkpointing", self.activation_checkpointing)
-        check_settings("model.draft", {"init_seed": (self.init_seed, "non_negative", int)})
-
-    def __hash__(self) -> int:  # `config` is a dict: hash what identifies the settings
-        config = tuple(sorted(self.config.items(), key=str))
-        return hash((self.preset, config, self.block_chunk, self.kv_form, self.shard))
-
-
-@dataclass(frozen=True)
-class DSparkObjectiveSettings:
-    """``model.objective`` of a DSpark run: the anchored-block objective (`dspark.md`, "Training, as implemented").
-
-    ``num_anchors`` blocks sampled per row (the reference's 512); the term weights ``ce`` / ``l1`` / ``confidence``
-    and ``slot_decay`` (slot k weighs ``exp(-k / slot_decay)``); ``loss_backend``: ``"plain"`` (full ``[N,V]``
-    softmaxes), ``"chunked"`` (``loss_chunk`` rows of ``[*,V]`` at a time, forward and backward) or ``"auto"``;
-    ``anchor_seed``: the anchors of micro-batch s on rank r depend only on (anchor_seed, s, r), so a resumed run draws
-    what the uninterrupted one would have.
-    """
-
-    num_anchors: int = 512
-    ce: float = 0.1
-    l1: float = 0.9
-    confidence: float = 1.0
-    slot_decay: float = 4.0
-    loss_backend: str = "plain"
-    loss_chunk: int = DEFAULT_LOSS_CHUNK
-    anchor_seed: int = 0
-
-    def __post_init__(self) -> None:
-        check_settings("model.objective", {
-            "num_anchors": (self.num_anchors, "positive", int), "ce": (self.ce, "non_negative", float),
-            "l1": (self.l1, "non_negative", float), "confidence": (self.confidence, "non_negative", float),
-            "slot_decay": (self.slot_decay, "positive", float), "loss_chunk": (self.loss_chunk, "positive", int),
-            "anchor_seed": (self.anchor_seed, "non_negative", int),
-        })  # fmt: skip
-        if self.ce == 0 and self.l1 == 0:
-            raise ValueError("model.objective: ce and l1 are both 0: nothing would train the drafter's distribution")
-        try:
-            backends.LOSS_BACKEND.check(self.loss_backend)
-        except ValueError as err:
-            raise ValueError(f"model.objective.loss_backend: {err}") from None
-
-
-DSPARK_MODEL_GROUPS = {**MODEL_GROUPS, "draft": DSparkDraftSettings, "objective": DSparkObjectiveSettings}
 # The flat ``model.*`` keys these groups replaced → their place now (refused, never mapped).
 FLAT_MODEL_KEYS = {
     "target_source": "model.target.source", "aux_layer_ids": "model.target.aux_layer_ids",
     "aux_stream": "model.target.aux_stream", "target_dtype": "model.target.dtype",
     "target_expert_storage": "model.target.expert_storage", "target_token_chunk": "model.target.token_chunk",
-    "attention_backend": "model.draft.attention_backend", "ttt_kv_cache": "model.draft.ttt_kv_cache",
+    "attention_backend": "model.draft.attention_backend", "ttt_kv_cache": "model.draft.kv_cache",
     "draft_activation_checkpointing": "model.draft.activation_checkpointing", "draft_shard": "model.draft.shard",
     "draft_init_seed": "model.draft.init_seed", "draft_dtype": "model.draft.dtype",
     **{f.name: f"model.objective.{f.name}" for f in dataclasses.fields(ObjectiveSettings)},
     **{f.name: f"model.optimization.{f.name}" for f in dataclasses.fields(OptimizationSettings)},
 }  # fmt: skip
+# ``model.draft`` keys renamed so that one concept has one name in every family → their name now (refused, never mapped
+# in a run config; a checkpoint's saved hyperparameters are read under the new name by :func:`as_settings`).
+RENAMED_DRAFT_KEYS = {"ttt_kv_cache": "kv_cache", "kv_form": "kv_cache"}
 
 
 def refuse_flat_model_keys(
@@ -323,6 +240,8 @@ def refuse_flat_model_keys(
     if isinstance(draft, Mapping) and draft_settings is not None:
         fields = {f.name for f in dataclasses.fields(draft_settings)}
         for key in draft:
+            if key in RENAMED_DRAFT_KEYS and key not in fields:
+                raise ValueError(f"{where}: model.draft.{key} is now model.draft.{RENAMED_DRAFT_KEYS[key]}")
             if key not in fields:
                 raise ValueError(
                     f"{where}: model.draft.{key} is now model.draft.config.{key} (draft config overrides live under "
@@ -334,9 +253,9 @@ def refuse_flat_model_keys(
 # one table the module's setup and the memory plan both read (through check_draft_sequence_parallel); the README's
 # promises name these rows.
 SEQUENCE_PARALLEL_REFUSALS: tuple[tuple[str, Callable[[DraftSettings, str, str], bool], str], ...] = (
-    ("model.draft.ttt_kv_cache='latent'", lambda draft, source, stage: draft.ttt_kv_cache == "latent",
+    ("model.draft.kv_cache='latent'", lambda draft, source, stage: draft.kv_cache == "latent",
      "the latent cache has one shared head, which Ulysses cannot split over the group; use "
-     "model.draft.ttt_kv_cache='expanded'"),
+     "model.draft.kv_cache='expanded'"),
     ("model.draft.shard=true", lambda draft, source, stage: bool(draft.shard),
      "the SP gradient reduction of an FSDP2-sharded draft is untested; use model.draft.shard=false (the replicated "
      "draft) with sequence parallelism"),
@@ -368,22 +287,14 @@ def check_draft_sequence_parallel(
             raise ValueError(f"{setting} with {name} is not supported: {why}")
 
 
-def check_dspark_sequence_parallel(size: int) -> None:
-    """A DSpark draft has no sequence parallelism: the module's ``setup`` and the memory plan call this one check."""
-    if size > 1:
-        raise ValueError(
-            f"trainer.strategy.init_args.draft_sequence_parallel_size={size} is not supported for a DSpark draft: its "
-            "cost is the A x g block rows against the context, not T x T, so there is no sequence to split; use "
-            "draft_sequence_parallel_size=1 (long rows: model.objective.num_anchors, model.draft.block_chunk)"
-        )
-
-
 def as_settings(group: str, value: Any, groups: Mapping[str, type] = MODEL_GROUPS):
     """``value`` as the settings type of ``model.<group>`` in ``groups`` (a family's: :data:`MODEL_GROUPS` for
-    EAGLE-3, :data:`DSPARK_MODEL_GROUPS`): an instance as it is, a mapping of its fields (a checkpoint's
+    EAGLE-3; each family's module says its own): an instance as it is, a mapping of its fields (a checkpoint's
     hyperparameters, a parsed config) made into one — and so checked."""
     kind = groups[group]
     if isinstance(value, Mapping):
+        if group == "draft":  # a checkpoint written before a key was renamed
+            value = {RENAMED_DRAFT_KEYS.get(k, k): v for k, v in value.items()}
         return kind(**value)
     if not isinstance(value, kind):
         raise TypeError(f"model.{group} must be a {kind.__name__} (or a mapping of its fields), got {value!r}")

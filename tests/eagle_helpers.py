@@ -51,7 +51,7 @@ def grouped_settings(flat: dict, draft_config: dict | None = None) -> dict:
         if name in ("optimizer", "lr_scheduler"):
             groups[name] = value
             continue
-        group, field = FLAT_MODEL_KEYS[name].split(".")[1:]
+        group, field = (FLAT_MODEL_KEYS | {"kv_cache": "model.draft.kv_cache"})[name].split(".")[1:]
         groups[group][field] = tuple(value) if field == "aux_layer_ids" and value is not None else value
     groups["draft"]["config"] = draft_config
     kinds = {"target": TargetSettings, "draft": DraftSettings, "objective": ObjectiveSettings,

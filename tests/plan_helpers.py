@@ -20,7 +20,7 @@ PLACES = {
     "draft_dtype": ("draft_settings", "dtype"), "draft_shard": ("draft_settings", "shard"),
     "attention_backend": ("draft_settings", "attention_backend"),
     "activation_checkpointing": ("draft_settings", "activation_checkpointing"),
-    "ttt_kv_cache": ("draft_settings", "ttt_kv_cache"),
+    "kv_cache": ("draft_settings", "kv_cache"),
     **{f.name: ("objective", f.name) for f in dataclasses.fields(ObjectiveSettings)},
 }  # fmt: skip
 TEST_DEFAULTS = {"attention_backend": "flash_lse", "target_dtype": "bfloat16", "draft_dtype": "bfloat16",

@@ -22,6 +22,7 @@ from lightning_eagle.run_settings import (
     ObjectiveSettings,
     OptimizationSettings,
     TargetSettings,
+    as_settings,
     refuse_flat_model_keys,
 )
 
@@ -37,7 +38,7 @@ QUICKSTART = REPO / "lightning_eagle" / "configs" / "quickstart.yaml"
         (lambda: TargetSettings(token_chunk=0), "model.target.token_chunk must be a positive int"),
         (lambda: TargetSettings(path=""), "model.target.path must be a checkpoint folder"),
         (lambda: DraftSettings(attention_backend="nope"), "model.draft.attention_backend: unknown TTT attention"),
-        (lambda: DraftSettings(ttt_kv_cache="paged"), "model.draft.ttt_kv_cache must be one of"),
+        (lambda: DraftSettings(kv_cache="paged"), "model.draft.kv_cache must be one of"),
         (lambda: DraftSettings(init_seed=-1), "model.draft.init_seed must be an integer >= 0"),
         (lambda: DraftSettings(shard="yes"), "model.draft.shard must be true or false"),
         (lambda: DraftSettings(config={"ttt_steps": 3}), "model.draft.config.ttt_steps: set model.objective.ttt_steps"),
@@ -88,6 +89,16 @@ def test_a_flat_target_or_draft_names_its_group():
     refuse_flat_model_keys({"target": {"path": "quickstart"}, "draft": {"config": {"intermediate_size": 64}}}, "x")
 
 
+def test_a_checkpoint_written_before_a_rename_is_read_under_the_new_name():
+    from lightning_eagle.commands.cli import refuse_flat_settings
+
+    assert as_settings("draft", {"ttt_kv_cache": "latent"}).kv_cache == "latent"
+    dspark = str(REPO / "configs" / "quickstart_dspark.yaml")
+    with pytest.raises(ValueError, match="model.draft.kv_form is now model.draft.kv_cache"):
+        refuse_flat_settings(["--config", dspark, "--model.draft.kv_form", "latent"])
+    refuse_flat_settings(["--config", dspark, "--model.draft.kv_cache", "latent"])
+
+
 @pytest.mark.parametrize(
     ("words", "message"),
     [
@@ -95,6 +106,8 @@ def test_a_flat_target_or_draft_names_its_group():
         (["--model.lr=1"], "model.lr is now model.optimization.lr"),
         (["--model.draft.intermediate_size", "8"], "model.draft.intermediate_size is now model.draft.config"),
         (["--model.target", "quickstart"], "model.target is a group now"),
+        # one name per concept: both families' K/V cache is model.draft.kv_cache
+        (["--model.draft.ttt_kv_cache", "latent"], "model.draft.ttt_kv_cache is now model.draft.kv_cache"),
     ],
 )
 def test_the_cli_refuses_flat_options_by_name(capsys, words, message):

@@ -49,10 +49,11 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_eagle.backends import BackendSetting
 from lightning_eagle.draft.deepseek_mla import DeepseekMLAAttention, SwiGLUMLP
-from lightning_eagle.draft.dspark_attention import ATTENTION_FORMS, check_kv_form
+from lightning_eagle.draft.dspark_attention import ATTENTION_FORMS
 from lightning_eagle.draft.dspark_config import DSparkDraftConfig
 from lightning_eagle.ops.mla import MLA_BACKEND
 from lightning_eagle.ops.norm import K3RMSNorm
+from lightning_eagle.run_settings import check_kv_cache
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: latent [B,1,T,r], rotated k_pe [B,1,T,d_rope]
 
@@ -82,13 +83,13 @@ class DSparkDecoderLayer(nn.Module):
         positions: list[torch.Tensor],
         allowed: list[torch.Tensor],
         context: tuple[torch.Tensor, torch.Tensor],
-        kv_form: str,
+        kv_cache: str,
         core: str,
     ) -> list[torch.Tensor]:
         """The layer over every anchor chunk of a call at once (an FSDP2-sharded layer is then gathered once for all
         of them, not once per chunk): chunk i is ``xs[i] [B,S,H]`` at ``positions[i] [B,S]`` with ``allowed[i]
         [B,1,S,T+S]``; ``context`` = this layer's context latent and rotated ``k_pe``."""
-        return [self.block(x, p, context, a, kv_form, core) for x, p, a in zip(xs, positions, allowed, strict=True)]
+        return [self.block(x, p, context, a, kv_cache, core) for x, p, a in zip(xs, positions, allowed, strict=True)]
 
     def block(
         self,
@@ -96,15 +97,15 @@ class DSparkDecoderLayer(nn.Module):
         positions: torch.Tensor,
         context: tuple[torch.Tensor, torch.Tensor],
         allowed: torch.Tensor,
-        kv_form: str,
+        kv_cache: str,
         core: str,
     ) -> torch.Tensor:
         """One chunk: ``x [B,S,H]`` block states at ``positions [B,S]``; ``allowed [B,1,S,T+S]`` boolean;
-        ``kv_form`` / ``core``: :mod:`~lightning_eagle.draft.dspark_attention`."""
+        ``kv_cache`` / ``core``: :mod:`~lightning_eagle.draft.dspark_attention`."""
         attn = self.self_attn
         h = self.input_layernorm(x)
         q = attn.project_query(h, positions)
-        o = ATTENTION_FORMS[kv_form](attn, q, context, attn.project_latent(h, positions), allowed, core)
+        o = ATTENTION_FORMS[kv_cache](attn, q, context, attn.project_latent(h, positions), allowed, core)
         B, n, S, _ = q.shape
         x = x + attn.o_proj(o.transpose(1, 2).reshape(B, S, n * attn.v_head_dim))
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -157,7 +158,7 @@ class DSparkDrafter(nn.Module):
     the calls that need them, never owned (so never saved or exported).
 
     ``mla_backend`` (:data:`~lightning_eagle.ops.mla.MLA_BACKEND`: ``auto`` = ``sdpa``, or ``eager``) picks the
-    attention core, ``kv_form`` (``latent``, or the ``expanded`` twin: :mod:`~lightning_eagle.draft.dspark_attention`)
+    attention core, ``kv_cache`` (``latent``, or the ``expanded`` twin: :mod:`~lightning_eagle.draft.dspark_attention`)
     the form of the keys; ``block_chunk`` (None: all anchors at once) how many anchors one attention call takes;
     ``activation_checkpointing`` keeps only each layer's input through the forward and recomputes the layer (over all
     chunks) in the backward (a long row's ``A·g`` block rows would otherwise keep every layer's activations, the
@@ -170,11 +171,11 @@ class DSparkDrafter(nn.Module):
         config: DSparkDraftConfig,
         mla_backend: str = "auto",
         block_chunk: int | None = 64,
-        kv_form: str = "latent",
+        kv_cache: str = "latent",
         activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
-        self.kv_form = check_kv_form(kv_form)
+        self.kv_cache = check_kv_cache(kv_cache)
         if not isinstance(activation_checkpointing, bool):
             raise ValueError(f"activation_checkpointing must be a bool, got {activation_checkpointing!r}")
         self.activation_checkpointing = activation_checkpointing
@@ -257,10 +258,10 @@ class DSparkDrafter(nn.Module):
             own_block = (block_of[:, None] == block_of[None, :]).expand(B, -1, -1)  # [B, n·g, n·g]
             allowed.append(torch.cat([sees_context, own_block], dim=-1)[:, None])
             hs.append(x[:, start : start + chunk].reshape(B, n * g, H))
-        core, kv_form = MLA_BACKEND.resolve(self.mla_backend, x.device), check_kv_form(self.kv_form)
+        core, kv_cache = MLA_BACKEND.resolve(self.mla_backend, x.device), check_kv_cache(self.kv_cache)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for layer, layer_context in zip(self.layers, context, strict=True):
-            args = (hs, positions, allowed, layer_context, kv_form, core)
+            args = (hs, positions, allowed, layer_context, kv_cache, core)
             hs = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
         return self.final_norm(torch.cat(hs, dim=1)).view(B, a, g, H)
 

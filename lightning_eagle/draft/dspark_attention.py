@@ -1,11 +1,11 @@
 """DSpark attention of block queries over ``[context ; block]`` MLA latents, in two forms with one signature
 ``(attn, q, context, block, allowed, core) -> o [B,n,S,d_v]``:
 
-* :func:`latent_attention` (``kv_form="latent"``, the default): the absorbed MLA form vLLM's decode runs (``W_UK`` /
+* :func:`latent_attention` (``kv_cache="latent"``, the default): the absorbed MLA form vLLM's decode runs (``W_UK`` /
   ``W_UV`` from ``kv_b_proj``): the query becomes ``[q_nope·W_UK ‖ q_rope]`` and attends, as one K/V head shared by
   all heads (MQA), to ``[latent ‖ k_pe]``, the values being the latent; ``W_UV`` maps the result back. Keys stay
   ``kv_lora_rank + d_rope`` wide per token, so a long context costs ``T·576`` per layer, not ``T·n·(d_qk+d_v)``;
-* :func:`expanded_attention` (``kv_form="expanded"``, the readable twin): per-head keys and values from
+* :func:`expanded_attention` (``kv_cache="expanded"``, the readable twin): per-head keys and values from
   ``kv_b_proj`` (:meth:`DeepseekMLAAttention.expand_latent`) and the plain MLA core.
 
 ``context`` / ``block``: ``(latent [B,1,·,r], rotated k_pe [B,1,·,d_rope])``; ``allowed [B,1,S,T+S]`` boolean (True
@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from lightning_eagle.ops.mla import MLA_CORES, additive_mask
 
-KV_FORMS = ("latent", "expanded")
 SDPA_HEAD_GROUP = 8  # query heads per SDPA call of the latent form (the comment in latent_attention says why)
 
 
@@ -69,9 +68,3 @@ def latent_attention(attn, q, context, block, allowed, core: str) -> torch.Tenso
 
 
 ATTENTION_FORMS = {"latent": latent_attention, "expanded": expanded_attention}
-
-
-def check_kv_form(kv_form: str) -> str:
-    if kv_form not in KV_FORMS:
-        raise ValueError(f"kv_form must be one of {KV_FORMS}, got {kv_form!r}")
-    return kv_form

@@ -1,4 +1,4 @@
-"""TTT attention over a cache of MLA latents (the draft setting ``ttt_kv_cache``; `eagle3_training.md` §4.1, §8).
+"""TTT attention over a cache of MLA latents (the draft setting ``kv_cache``; `eagle3_training.md` §4.1, §8).
 
 ``"expanded"`` (default): step i caches its per-head ``K_i [B,n,T,d_qk]``, ``V_i [B,n,T,d_v]`` — ``n·(d_qk+d_v)``
 values per token (30 720 for the K3 draft, n = 96).
@@ -32,19 +32,11 @@ from lightning_eagle.draft import ttt_attention as tta
 from lightning_eagle.draft.block_attention import accumulate_dtype
 from lightning_eagle.draft.cache import TTTCache
 from lightning_eagle.ops.mla import expand_latent_kv
-from lightning_eagle.run_settings import TTT_KV_CACHES
 
-# The ttt_kv_cache names (run_settings.TTT_KV_CACHES): "expanded" keeps per-head K/V of every step, n·(d_qk+d_v)
+# The kv_cache names (run_settings.KV_CACHES): "expanded" keeps per-head K/V of every step, n·(d_qk+d_v)
 # values per token (the plain twin); "latent" keeps MLA's normalised KV latent + shared rope key, r + d_rope values per
 # token, expanded inside each step.
-DEFAULT_TTT_KV_CACHE = "expanded"
-
-
-def check_ttt_kv_cache(name: str) -> str:
-    """``name`` if it is a ``ttt_kv_cache`` value, else ``ValueError`` naming the setting and the choices."""
-    if name not in TTT_KV_CACHES:
-        raise ValueError(f"unknown ttt_kv_cache {name!r}: expected one of {', '.join(map(repr, TTT_KV_CACHES))}")
-    return name
+DEFAULT_KV_CACHE = "expanded"
 
 
 @dataclass(frozen=True)
@@ -70,16 +62,16 @@ def check_latent_cache(q: torch.Tensor, cache: TTTCache, latent_kv: LatentKV) ->
     if q.shape[1] != latent_kv.num_heads:
         # A head-sharded layout (sequence parallel) would need kv_b_proj sliced to the rank's heads as well.
         raise ValueError(
-            f"ttt_kv_cache='latent' expands the latents for all {latent_kv.num_heads} heads, the attention layout "
-            f"gave queries with {q.shape[1]}: head-sharded attention (sequence parallel) needs ttt_kv_cache='expanded'"
+            f"kv_cache='latent' expands the latents for all {latent_kv.num_heads} heads, the attention layout "
+            f"gave queries with {q.shape[1]}: head-sharded attention (sequence parallel) needs kv_cache='expanded'"
         )
     r = latent_kv.kv_b_weight.shape[-1]
     for key in cache.keys:
         if key.dim() == 4 and key.shape[1] == 1 and key.shape[-1] == r:
             continue
         raise ValueError(
-            f"ttt_kv_cache='latent' needs a cache of latents [B,1,T,{r}], got keys of shape {tuple(key.shape)} "
-            "(a cache must not switch ttt_kv_cache within an unroll)"
+            f"kv_cache='latent' needs a cache of latents [B,1,T,{r}], got keys of shape {tuple(key.shape)} "
+            "(a cache must not switch kv_cache within an unroll)"
         )
 
 

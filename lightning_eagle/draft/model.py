@@ -20,17 +20,13 @@ from torch import nn
 
 from lightning_eagle.draft.cache import TTTCache
 from lightning_eagle.draft.config import Eagle3DraftConfig
-from lightning_eagle.draft.latent_attention import (
-    DEFAULT_TTT_KV_CACHE,
-    LatentKV,
-    check_ttt_kv_cache,
-    latent_ttt_attention,
-)
+from lightning_eagle.draft.latent_attention import DEFAULT_KV_CACHE, LatentKV, latent_ttt_attention
 from lightning_eagle.draft.pretrained import check_export
 from lightning_eagle.draft.ttt_attention import get_ttt_attention
 from lightning_eagle.ops.mla import NoPEMLA
 from lightning_eagle.ops.norm import K3RMSNorm
 from lightning_eagle.ops.situ import SituMLP
+from lightning_eagle.run_settings import check_kv_cache
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -52,7 +48,7 @@ class Eagle3DecoderLayer(nn.Module):
     hidden_norm: nn.Module
     post_attention_layernorm: nn.Module
     mlp: nn.Module
-    # Whether :meth:`latent_qkv` / :meth:`latent_kv` exist, i.e. ``ttt_kv_cache="latent"`` can run on this layer.
+    # Whether :meth:`latent_qkv` / :meth:`latent_kv` exist, i.e. ``kv_cache="latent"`` can run on this layer.
     supports_latent_kv_cache = False
 
     def combine(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -73,12 +69,12 @@ class Eagle3DecoderLayer(nn.Module):
         self, combined: torch.Tensor, positions: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``combined`` → ``q [B,n,T,d_qk]``, the normalised KV latent ``[B,1,T,r]`` and the shared rope key
-        ``[B,1,T,d_rope]`` as cached (rotated, if the layer rotates) — what ``ttt_kv_cache="latent"`` caches."""
-        raise NotImplementedError(f"{type(self).__name__} has no latent K/V form (ttt_kv_cache='latent')")
+        ``[B,1,T,d_rope]`` as cached (rotated, if the layer rotates) — what ``kv_cache="latent"`` caches."""
+        raise NotImplementedError(f"{type(self).__name__} has no latent K/V form (kv_cache='latent')")
 
     def latent_kv(self) -> LatentKV:
         """How :meth:`latent_qkv`'s latents expand into this layer's per-head K/V."""
-        raise NotImplementedError(f"{type(self).__name__} has no latent K/V form (ttt_kv_cache='latent')")
+        raise NotImplementedError(f"{type(self).__name__} has no latent K/V form (kv_cache='latent')")
 
     @property
     def scale(self) -> float:
@@ -109,12 +105,12 @@ class Eagle3DecoderLayer(nn.Module):
         cache: TTTCache,
         backend: str,
         positions: torch.Tensor | None = None,
-        kv_cache: str = DEFAULT_TTT_KV_CACHE,
+        kv_cache: str = DEFAULT_KV_CACHE,
     ) -> torch.Tensor:
         """One TTT step: this step's K/V are appended to ``cache``, the queries attend over it (§4.2). ``kv_cache``
-        (``ttt_kv_cache``): ``"expanded"`` caches per-head K/V, ``"latent"`` the MLA latent and rope key
+        (``kv_cache``): ``"expanded"`` caches per-head K/V, ``"latent"`` the MLA latent and rope key
         (:mod:`lightning_eagle.draft.latent_attention`)."""
-        if check_ttt_kv_cache(kv_cache) == "latent":
+        if check_kv_cache(kv_cache) == "latent":
             return self._latent_forward(embeds, hidden, cache, backend, positions)
         ttt_attention = get_ttt_attention(backend)
 
@@ -194,7 +190,7 @@ class KimiK3Eagle3Draft(nn.Module):
     norm_class: type[nn.Module] = K3RMSNorm
 
     def __init__(
-        self, config: Eagle3DraftConfig, attention_backend: str = "eager", ttt_kv_cache: str = DEFAULT_TTT_KV_CACHE
+        self, config: Eagle3DraftConfig, attention_backend: str = "eager", kv_cache: str = DEFAULT_KV_CACHE
     ) -> None:
         super().__init__()
         config.validate()  # §3.6: the draft constructor refuses GQA / non-NoPE even for a hand-edited config
@@ -227,7 +223,7 @@ class KimiK3Eagle3Draft(nn.Module):
         if self.t2d.device.type != "meta":  # meta: values come from the loaded state dict
             self.t2d[:N_d] = True
         self.attention_backend = attention_backend
-        self.ttt_kv_cache = ttt_kv_cache
+        self.kv_cache = kv_cache
         if config.freeze_embeddings:
             self.freeze_embeddings()
 
@@ -242,19 +238,19 @@ class KimiK3Eagle3Draft(nn.Module):
         self._attention_backend = name
 
     @property
-    def ttt_kv_cache(self) -> str:
+    def kv_cache(self) -> str:
         """What the TTT cache holds per step: ``"expanded"`` (per-head K/V, default) or ``"latent"`` (the MLA latent
         and rope key, expanded inside each step: :mod:`lightning_eagle.draft.latent_attention`)."""
-        return self._ttt_kv_cache
+        return self._kv_cache
 
-    @ttt_kv_cache.setter
-    def ttt_kv_cache(self, name: str) -> None:
-        if check_ttt_kv_cache(name) == "latent" and not self.midlayer.supports_latent_kv_cache:
+    @kv_cache.setter
+    def kv_cache(self, name: str) -> None:
+        if check_kv_cache(name) == "latent" and not self.midlayer.supports_latent_kv_cache:
             raise ValueError(
-                f"ttt_kv_cache='latent' is not supported by the {self.architecture!r} draft "
-                f"({type(self.midlayer).__name__} has no latent K/V form); use ttt_kv_cache='expanded'"
+                f"kv_cache='latent' is not supported by the {self.architecture!r} draft "
+                f"({type(self.midlayer).__name__} has no latent K/V form); use kv_cache='expanded'"
             )
-        self._ttt_kv_cache = name
+        self._kv_cache = name
 
     # ---- the four pieces of a TTT step ----------------------------------------------------------------------------
     def project(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
@@ -290,7 +286,7 @@ class KimiK3Eagle3Draft(nn.Module):
         cache.bind_mask(attention_mask)
         embeds = self.embed(input_ids).to(hidden.dtype)
         positions = self.step_positions(input_ids, len(cache), position_ids)
-        h = self.midlayer(embeds, hidden, cache, self.attention_backend, positions, kv_cache=self.ttt_kv_cache)
+        h = self.midlayer(embeds, hidden, cache, self.attention_backend, positions, kv_cache=self.kv_cache)
         return self.output_hidden(h)
 
     forward = layer
@@ -365,7 +361,7 @@ class KimiK3Eagle3Draft(nn.Module):
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         attention_backend: str = "eager",
-        ttt_kv_cache: str = DEFAULT_TTT_KV_CACHE,
+        kv_cache: str = DEFAULT_KV_CACHE,
     ) -> KimiK3Eagle3Draft:
         """Load our export (``midlayer.*``), its engine format or a NeMo Automodel export (``model.layers.0.*``) as the
         draft class ``config.json`` names (a ``deepseek_mla`` export gives a
@@ -382,7 +378,7 @@ class KimiK3Eagle3Draft(nn.Module):
         config, state = check_export(folder)
         has_embeddings = "embed_tokens.weight" in state
         with torch.device("meta"):
-            draft = build_draft(config, attention_backend=attention_backend, ttt_kv_cache=ttt_kv_cache)
+            draft = build_draft(config, attention_backend=attention_backend, kv_cache=kv_cache)
         if not has_embeddings:
             if target_embedding is not None:
                 if hasattr(target_embedding, "full_tensor"):
@@ -422,7 +418,7 @@ def register_draft_architecture(cls: type[KimiK3Eagle3Draft]) -> type[KimiK3Eagl
 
 
 def build_draft(
-    config: Eagle3DraftConfig, attention_backend: str = "eager", ttt_kv_cache: str = DEFAULT_TTT_KV_CACHE
+    config: Eagle3DraftConfig, attention_backend: str = "eager", kv_cache: str = DEFAULT_KV_CACHE
 ) -> KimiK3Eagle3Draft:
     """The draft ``config.architecture`` names (``"k3"``: :class:`KimiK3Eagle3Draft`; ``"deepseek_mla"``:
     :class:`~lightning_eagle.draft.deepseek_mla.DeepseekMLAEagle3Draft`), built in fp32 (or on the ambient device)."""
@@ -431,7 +427,7 @@ def build_draft(
         raise ValueError(
             f"unknown draft architecture {config.architecture!r}; choose one of {sorted(DRAFT_ARCHITECTURES)}"
         )
-    return cls(config, attention_backend=attention_backend, ttt_kv_cache=ttt_kv_cache)
+    return cls(config, attention_backend=attention_backend, kv_cache=kv_cache)
 
 
 register_draft_architecture(KimiK3Eagle3Draft)

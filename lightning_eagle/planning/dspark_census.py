@@ -32,10 +32,10 @@ from lightning_eagle.planning.census import (
     storage_bytes,
     storages,
 )
-from lightning_eagle.run_settings import DSparkDraftSettings, DSparkObjectiveSettings
 from lightning_eagle.training.dspark_anchors import block_targets
 from lightning_eagle.training.dspark_module import block_objective
 from lightning_eagle.training.dspark_objective import DSparkCoefficients, slot_weights, supervised_rows
+from lightning_eagle.training.dspark_settings import DSparkDraftSettings, DSparkObjectiveSettings
 
 
 @contextlib.contextmanager
@@ -81,7 +81,7 @@ def dspark_step_census(
     blocks, anchors = _blocks(B, T, objective.num_anchors, config.block_size, device)
     with torch.device(device), SkipInit():
         drafter = DSparkDrafter(
-            config, mla_backend=mla_backend, block_chunk=draft.block_chunk, kv_form=draft.kv_form,
+            config, mla_backend=mla_backend, block_chunk=draft.block_chunk, kv_cache=draft.kv_cache,
             activation_checkpointing=draft.activation_checkpointing,
         ).to(dtype)  # fmt: skip
         for p in drafter.parameters():

@@ -20,7 +20,7 @@ from lightning_eagle.planning.dspark_census import dspark_step_census
 from lightning_eagle.planning.family import PlanningFamily, register_planning_family
 from lightning_eagle.planning.inputs import PlanInputs
 from lightning_eagle.planning.terms import OPTIMIZER_STEP, RESIDENT, TARGET_FORWARD, Term, dtype_name, gb, shard
-from lightning_eagle.run_settings import check_dspark_sequence_parallel
+from lightning_eagle.training.dspark_settings import check_dspark_sequence_parallel
 
 DSPARK_PHASES = (TARGET_FORWARD, "teacher head", "draft blocks", OPTIMIZER_STEP)
 
@@ -103,7 +103,7 @@ def describe_dspark(inputs: PlanInputs) -> str:
     return (
         f"micro-batch {i.batch_size} x {i.seq_len} tokens, DSpark {d.num_hidden_layers} layers, block "
         f"{d.block_size}, {i.objective.num_anchors} anchors per row, {settings.block_chunk} per attention "
-        f"call, {settings.kv_form} K/V, activation checkpointing {ckpt}, target {dtype_name(i.target_dtype)} "
+        f"call, {settings.kv_cache} K/V, activation checkpointing {ckpt}, target {dtype_name(i.target_dtype)} "
         f"({i.expert_storage} experts), draft {dtype_name(i.draft_dtype)}, full vocabulary {d.vocab_size}"
     )
 

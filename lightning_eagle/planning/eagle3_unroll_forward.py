@@ -48,14 +48,14 @@ class DraftDims:
     gate: bool
     backend: str
     cpu: bool
-    kv_cache: str = "expanded"  # ttt_kv_cache: "expanded" per-head K/V, "latent" MLA latent + rope key
+    kv_cache: str = "expanded"  # kv_cache: "expanded" per-head K/V, "latent" MLA latent + rope key
     loss: str = "plain"  # loss_backend: "plain" [*,N_d] logits + log-probs per step, "chunked" fused per row chunk
     loss_chunk: int = 1024  # rows per chunk of the chunked loss
     sp: int = 1  # draft sequence-parallel size (Ulysses: heads sharded over sp ranks inside the attention)
 
     @classmethod
     def of(cls, inputs: PlanInputs) -> DraftDims:
-        c = inputs.draft  # PlanInputs refuses ttt_kv_cache='latent' under draft sequence parallelism
+        c = inputs.draft  # PlanInputs refuses kv_cache='latent' under draft sequence parallelism
         return cls(
             B=inputs.batch_size,
             T=inputs.local_seq_len,
@@ -77,7 +77,7 @@ class DraftDims:
             gate=c.mla_use_output_gate,
             backend=ttt_attention_backend(inputs),
             cpu=inputs.device == "cpu",
-            kv_cache=inputs.draft_settings.ttt_kv_cache,
+            kv_cache=inputs.draft_settings.kv_cache,
             loss=inputs.loss_backend,
             loss_chunk=inputs.loss_chunk,
             sp=inputs.draft_sp,

@@ -38,13 +38,7 @@ from lightning_eagle.k3.target_spec import TargetSpec
 from lightning_eagle.parallel.dense_shard import is_sharded, shard_draft, with_full_parameters
 from lightning_eagle.parallel.frozen_target import root_device
 from lightning_eagle.parallel.layout import draft_mesh
-from lightning_eagle.run_settings import (
-    DSPARK_MODEL_GROUPS,
-    DSparkDraftSettings,
-    DSparkObjectiveSettings,
-    OptimizationSettings,
-    TargetSettings,
-)
+from lightning_eagle.run_settings import OptimizationSettings, TargetSettings
 from lightning_eagle.training import draft_checkpoint as ckpt
 from lightning_eagle.training.draft_training import DraftTrainingModule
 from lightning_eagle.training.dspark_anchors import anchor_generator, block_targets, sample_anchors
@@ -60,8 +54,14 @@ from lightning_eagle.training.dspark_objective import (
     slot_weights,
     supervised_rows,
 )
+from lightning_eagle.training.dspark_settings import (
+    DSPARK_MODEL_GROUPS,
+    DSparkDraftSettings,
+    DSparkObjectiveSettings,
+    check_dspark_sequence_parallel,
+)
 from lightning_eagle.training.finite import stop_unless_finite
-from lightning_eagle.training.run_gates import refuse_unsupported_dspark_run
+from lightning_eagle.training.run_gates import refuse_unshardable_draft, refuse_unsupported_target_run
 from lightning_eagle.training.target_source import target_source
 
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
@@ -136,7 +136,7 @@ class DSparkModule(DraftTrainingModule):
 
     Args (each a group of ``model:`` in a run config, validated when it is made: :mod:`lightning_eagle.run_settings`):
         target: the frozen K3 (as EAGLE-3's; ``aux_layer_ids``: the drafter's taps, ascending, any number).
-        draft: the drafter (``preset``, config overrides, ``block_chunk``, ``kv_form``, ``init_seed``, ``dtype``).
+        draft: the drafter (``preset``, config overrides, ``block_chunk``, ``kv_cache``, ``init_seed``, ``dtype``).
         objective: the block objective (``num_anchors``, ``ce`` / ``l1`` / ``confidence``, ``slot_decay``, loss
             backend and chunk, ``anchor_seed``).
         optimization: AdamW + warmup-cosine; ``optimizer`` / ``lr_scheduler`` callables replace them.
@@ -183,7 +183,7 @@ class DSparkModule(DraftTrainingModule):
     def _build_draft(self) -> DSparkDrafter:
         settings = self.draft_settings
         return DSparkDrafter(
-            self.draft_config, block_chunk=settings.block_chunk, kv_form=settings.kv_form,
+            self.draft_config, block_chunk=settings.block_chunk, kv_cache=settings.kv_cache,
             activation_checkpointing=settings.activation_checkpointing,
         )  # fmt: skip
 
@@ -204,7 +204,17 @@ class DSparkModule(DraftTrainingModule):
             shard_draft(self.draft, draft_mesh(self._trainer))
 
     def refuse_unsupported_run(self, stage: str) -> None:
-        refuse_unsupported_dspark_run(self, stage)
+        refuse_unsupported_target_run(self)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        draft_vocab = getattr(datamodule, "draft_vocab_size", None)
+        if draft_vocab is not None and draft_vocab < self.draft_config.vocab_size:
+            raise ValueError(
+                f"data.draft_vocab_size={draft_vocab}: a DSpark draft predicts over the target's whole vocabulary "
+                f"({self.draft_config.vocab_size}, its LM head is the target's; vLLM refuses a draft vocabulary): "
+                "leave data.draft_vocab_size unset"
+            )
+        check_dspark_sequence_parallel(self.placement.draft_sequence_parallel_size)
+        refuse_unshardable_draft(self)
 
     # ---- steps ----------------------------------------------------------------------------------------------------
     def anchor_stream(self, step: int) -> torch.Generator:

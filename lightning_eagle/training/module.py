@@ -112,7 +112,7 @@ class Eagle3Module(DraftTrainingModule):
         self.draft_config = _draft_config(self.target_spec, self.draft_settings, draft_vocab_size)
         settings = self.draft_settings
         return build_draft(self.draft_config, attention_backend=settings.attention_backend,
-                           ttt_kv_cache=settings.ttt_kv_cache)  # fmt: skip
+                           kv_cache=settings.kv_cache)  # fmt: skip
 
     @override
     def configure_model(self, vocab_mapping=None) -> None:

@@ -7,7 +7,7 @@ without ranks to shard over."""
 from __future__ import annotations
 
 from lightning_eagle.parallel.layout import draft_mesh
-from lightning_eagle.run_settings import check_draft_sequence_parallel, check_dspark_sequence_parallel
+from lightning_eagle.run_settings import check_draft_sequence_parallel
 from lightning_eagle.training.data_contract import features_manifest
 from lightning_eagle.training.target_source import check_features_manifest
 
@@ -40,19 +40,4 @@ def refuse_unsupported_run(module, stage: str) -> None:
         module.placement.draft_sequence_parallel_size, num_attention_heads=module.draft_config.num_attention_heads,
         draft=module.draft_settings, target_source=module.target_settings.source, stage=stage,
     )  # fmt: skip
-    refuse_unshardable_draft(module)
-
-
-def refuse_unsupported_dspark_run(module, stage: str) -> None:
-    """Raise ``ValueError`` naming the setting for a run the DSpark ``module`` cannot train as configured."""
-    refuse_unsupported_target_run(module)
-    datamodule = getattr(module.trainer, "datamodule", None)
-    draft_vocab = getattr(datamodule, "draft_vocab_size", None)
-    if draft_vocab is not None and draft_vocab < module.draft_config.vocab_size:
-        raise ValueError(
-            f"data.draft_vocab_size={draft_vocab}: a DSpark draft predicts over the target's whole vocabulary "
-            f"({module.draft_config.vocab_size}, its LM head is the target's; vLLM refuses a draft vocabulary): "
-            "leave data.draft_vocab_size unset"
-        )
-    check_dspark_sequence_parallel(module.placement.draft_sequence_parallel_size)
     refuse_unshardable_draft(module)

@@ -1,4 +1,4 @@
-"""``ttt_kv_cache: latent`` (the MLA latent + rope key cached per TTT step) against ``expanded`` (the plain twin).
+"""``kv_cache: latent`` (the MLA latent + rope key cached per TTT step) against ``expanded`` (the plain twin).
 
 * the setting: default, validation, build_draft / from_pretrained, the deepseek_mla refusal;
 * MLA's ``project`` is ``expand_latent ∘ project_latent`` bit for bit (the target's path is unchanged);
@@ -31,14 +31,14 @@ B, N, T, R, D_NOPE, D_ROPE, D_V = 2, 3, 7, 10, 6, 4, 5
 # ---- the setting --------------------------------------------------------------------------------------------------
 def test_setting_default_validation_and_builders(make_draft):
     draft = make_draft()
-    assert draft.ttt_kv_cache == "expanded"
-    with pytest.raises(ValueError, match=r"unknown ttt_kv_cache 'compressed': expected one of 'expanded', 'latent'"):
-        draft.ttt_kv_cache = "compressed"
-    assert draft.ttt_kv_cache == "expanded"
-    draft.ttt_kv_cache = "latent"
-    assert build_draft(draft.config, ttt_kv_cache="latent").ttt_kv_cache == "latent"
-    with pytest.raises(ValueError, match="unknown ttt_kv_cache"):
-        build_draft(draft.config, ttt_kv_cache="nope")
+    assert draft.kv_cache == "expanded"
+    with pytest.raises(ValueError, match=r"kv_cache must be one of 'expanded', 'latent', got 'compressed'"):
+        draft.kv_cache = "compressed"
+    assert draft.kv_cache == "expanded"
+    draft.kv_cache = "latent"
+    assert build_draft(draft.config, kv_cache="latent").kv_cache == "latent"
+    with pytest.raises(ValueError, match="kv_cache must be one of"):
+        build_draft(draft.config, kv_cache="nope")
 
 
 def test_from_pretrained_takes_the_setting(make_draft, tmp_path):
@@ -47,20 +47,20 @@ def test_from_pretrained_takes_the_setting(make_draft, tmp_path):
     draft = make_draft()
     export_draft(draft, tmp_path / "export")
     embedding = draft.embed_tokens.weight
-    loaded = type(draft).from_pretrained(tmp_path / "export", target_embedding=embedding, ttt_kv_cache="latent")
-    assert loaded.ttt_kv_cache == "latent"
+    loaded = type(draft).from_pretrained(tmp_path / "export", target_embedding=embedding, kv_cache="latent")
+    assert loaded.kv_cache == "latent"
 
 
 def test_deepseek_mla_draft_refuses_latent(make_draft):
     from draft_helpers import tiny_config
 
     config = tiny_config(architecture="deepseek_mla")
-    with pytest.raises(ValueError, match="ttt_kv_cache='latent' is not supported by the 'deepseek_mla' draft"):
-        build_draft(config, ttt_kv_cache="latent")
+    with pytest.raises(ValueError, match="kv_cache='latent' is not supported by the 'deepseek_mla' draft"):
+        build_draft(config, kv_cache="latent")
     draft = build_draft(config)
     assert isinstance(draft, DeepseekMLAEagle3Draft)
     with pytest.raises(ValueError, match="DeepseekMLAEagle3Layer has no latent K/V form"):
-        draft.ttt_kv_cache = "latent"
+        draft.kv_cache = "latent"
 
 
 def test_project_is_expand_of_project_latent(make_draft):
@@ -154,7 +154,7 @@ def test_latent_unroll_matches_expanded(make_draft, make_batch, monkeypatch, bac
     batch = {k: v.double() if v.is_floating_point() else v for k, v in make_batch(draft.config, T=10).items()}
     draft.attention_backend = "eager"
     loss_a, steps_a, grads_a, _ = unroll(draft, batch, checkpointed=False)
-    draft.attention_backend, draft.ttt_kv_cache = backend, "latent"
+    draft.attention_backend, draft.kv_cache = backend, "latent"
     loss_b, steps_b, grads_b, cache = unroll(draft, batch, checkpointed)
     c = draft.config
     assert [tuple(k.shape) for k in cache.keys] == [(2, 1, 10, c.kv_lora_rank)] * 3
@@ -172,7 +172,7 @@ def test_latent_flex_forward_matches_expanded(make_draft, make_batch):
     batch = {k: v.double() if v.is_floating_point() else v for k, v in make_batch(draft.config, T=10).items()}
     outputs = []
     for backend, kv_cache in (("eager", "expanded"), ("flex_attention", "latent")):
-        draft.attention_backend, draft.ttt_kv_cache = backend, kv_cache
+        draft.attention_backend, draft.kv_cache = backend, kv_cache
         hidden, cache, steps = draft.project(batch["aux_hidden_states"]), TTTCache(), []
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # eager flex on CPU warns that it is unfused
@@ -185,11 +185,11 @@ def test_latent_flex_forward_matches_expanded(make_draft, make_batch):
 
 
 def test_a_latent_cache_refuses_an_expanded_entry(make_draft, make_batch):
-    """Switching ttt_kv_cache within one unroll is refused, not silently mixed."""
+    """Switching kv_cache within one unroll is refused, not silently mixed."""
     draft = make_draft()
     batch = make_batch(draft.config, T=6)
     hidden, cache = draft.project(batch["aux_hidden_states"]), TTTCache()
     hidden = draft.layer(batch["input_ids"], hidden, batch["attention_mask"], cache)
-    draft.ttt_kv_cache = "latent"
+    draft.kv_cache = "latent"
     with pytest.raises(ValueError, match="needs a cache of latents"):
         draft.layer(batch["input_ids"], hidden, batch["attention_mask"], cache)

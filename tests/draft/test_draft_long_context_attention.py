@@ -173,7 +173,7 @@ def test_no_t_by_t_tensor_in_a_long_unroll(make_draft, make_batch, monkeypatch, 
     if kernel is not None:
         monkeypatch.setattr(tta, "default_kernel", lambda q: kernel)
     draft = make_draft()
-    draft.ttt_kv_cache = kv_cache
+    draft.kv_cache = kv_cache
     batch = make_batch(draft.config, T=T, pad=300)
     draft.attention_backend = "flash_lse"
     flash = largest_in_unroll(draft, batch)

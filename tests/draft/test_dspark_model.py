@@ -15,10 +15,10 @@ from lightning_eagle.draft.dspark_config import dspark_config_from_preset
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.7, "mscale_all_dim": 1.0}
 
 
-def build(seed: int = 0, kv_form: str = "latent", **overrides) -> tuple[DSparkDrafter, nn.Embedding, nn.Linear]:
+def build(seed: int = 0, kv_cache: str = "latent", **overrides) -> tuple[DSparkDrafter, nn.Embedding, nn.Linear]:
     torch.manual_seed(seed)
     config = dspark_config_from_preset("k3-tiny", rope_scaling=YARN, **overrides)
-    drafter = DSparkDrafter(config, kv_form=kv_form)
+    drafter = DSparkDrafter(config, kv_cache=kv_cache)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if name.endswith("norm.weight"):
@@ -93,16 +93,16 @@ def test_latent_form_equals_expanded_form_forward_and_backward(backend):
     drafter, embed, _ = build()
     drafter.mla_backend = backend
     inputs = batch(drafter.config)
-    drafter.kv_form = "expanded"
+    drafter.kv_cache = "expanded"
     expanded = forward_and_grads(drafter, embed, *inputs)
-    drafter.kv_form = "latent"
+    drafter.kv_cache = "latent"
     assert_same(forward_and_grads(drafter, embed, *inputs), expanded)
 
 
-@pytest.mark.parametrize("kv_form", ["latent", "expanded"])
+@pytest.mark.parametrize("kv_cache", ["latent", "expanded"])
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_chunked_equals_one_shot_forward_and_backward(backend, kv_form):
-    drafter, embed, _ = build(kv_form=kv_form)
+def test_chunked_equals_one_shot_forward_and_backward(backend, kv_cache):
+    drafter, embed, _ = build(kv_cache=kv_cache)
     drafter.mla_backend = backend
     inputs = batch(drafter.config)
     _, _, _, keep = inputs
@@ -135,9 +135,9 @@ def test_activation_checkpointing_equals_keeping_every_activation_forward_and_ba
     assert sum(map(math.prod, shapes[True])) < sum(map(math.prod, shapes[False])) / 2
 
 
-@pytest.mark.parametrize("kv_form", ["latent", "expanded"])
-def test_eager_and_sdpa_agree(kv_form):
-    drafter, embed, _ = build(kv_form=kv_form)
+@pytest.mark.parametrize("kv_cache", ["latent", "expanded"])
+def test_eager_and_sdpa_agree(kv_cache):
+    drafter, embed, _ = build(kv_cache=kv_cache)
     inputs = batch(drafter.config)
     drafter.mla_backend = "eager"
     eager = forward_and_grads(drafter, embed, *inputs)
@@ -232,8 +232,8 @@ def test_confidence_logits_and_bad_inputs():
         drafter(features[..., :-1], ids, anchors, keep, embed)
     with pytest.raises(ValueError, match=r"anchors must be positions in \[0, 24\)"):
         drafter(features, ids, anchors + 30, keep, embed)
-    with pytest.raises(ValueError, match=r"kv_form must be one of \('latent', 'expanded'\)"):
-        DSparkDrafter(drafter.config, kv_form="dense")
+    with pytest.raises(ValueError, match=r"kv_cache must be one of 'expanded', 'latent'"):
+        DSparkDrafter(drafter.config, kv_cache="dense")
     with pytest.raises(ValueError, match="block_chunk must be a positive int or None"):
         DSparkDrafter(drafter.config, block_chunk=0)
     with pytest.raises(ValueError, match="no confidence head"):

@@ -24,9 +24,10 @@ from lightning_eagle.inference.callback import AcceptanceCallback
 from lightning_eagle.parallel.dense_shard import dense_bytes_held, is_sharded, shard_draft, with_full_parameters
 from lightning_eagle.parallel.local_launch import launch_local
 from lightning_eagle.parallel.strategy import ExpertParallelStrategy
-from lightning_eagle.run_settings import DSparkDraftSettings, DSparkObjectiveSettings, TargetSettings
+from lightning_eagle.run_settings import TargetSettings
 from lightning_eagle.training.dspark_anchors import anchor_generator
 from lightning_eagle.training.dspark_module import DSparkModule
+from lightning_eagle.training.dspark_settings import DSparkDraftSettings, DSparkObjectiveSettings
 from lightning_eagle.training.export_callback import ExportDraftCallback
 
 pytestmark = pytest.mark.multiprocess

@@ -16,7 +16,8 @@ from lightning_eagle.draft.dspark_export import DSPARK
 from lightning_eagle.planning import build_plan
 from lightning_eagle.planning.dspark_census import dspark_step_census
 from lightning_eagle.planning.dspark_plan import DSPARK_PHASES
-from lightning_eagle.run_settings import DSparkDraftSettings, DSparkObjectiveSettings, TargetSettings
+from lightning_eagle.run_settings import TargetSettings
+from lightning_eagle.training.dspark_settings import DSparkDraftSettings, DSparkObjectiveSettings
 
 TINY = dspark_config_from_preset("k3-tiny")
 
@@ -29,7 +30,7 @@ TINY = dspark_config_from_preset("k3-tiny")
         pytest.param(DSparkDraftSettings(block_chunk=None), DSparkObjectiveSettings(num_anchors=6, loss_backend="plain"
                      ),
                      id="plain-loss-one-call"),
-        pytest.param(DSparkDraftSettings(block_chunk=2, activation_checkpointing=True, kv_form="expanded"),
+        pytest.param(DSparkDraftSettings(block_chunk=2, activation_checkpointing=True, kv_cache="expanded"),
                      DSparkObjectiveSettings(num_anchors=8, loss_backend="chunked", loss_chunk=5), id="checkpointed"),
     ],
 )  # fmt: skip

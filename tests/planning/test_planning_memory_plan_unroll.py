@@ -4,7 +4,7 @@ long-context mechanisms, against a census of the real ``ttt_loss`` on the meta d
 forward" exact, the unroll peak within 3 %):
 
 * ``flash_lse`` without any ``[T,T]`` mask (unpadded / right-padded rows: a tensor-free ``CausalBlock``);
-* ``ttt_kv_cache="latent"`` (the cache keeps MLA's normalised latent + rope key), with and without checkpointing;
+* ``kv_cache="latent"`` (the cache keeps MLA's normalised latent + rope key), with and without checkpointing;
 * ``loss_backend="chunked"`` (fused chunked ``lm_head`` + soft CE, the teacher recomputed per chunk);
 * draft sequence parallelism (Ulysses) modelled from the code: per-step tensors at ``T/sp`` slots, the all-to-all
   transients, eager probabilities over the whole sequence.
@@ -90,8 +90,8 @@ def unroll_census(inputs: PlanInputs) -> tuple[int, int]:
     B, T, N_d = inputs.batch_size, inputs.seq_len, inputs.draft.draft_vocab_size
     H_t = inputs.target.hidden_size
     with torch.device("meta"), SkipInit():
-        backend, cache = ttt_attention_backend(inputs), inputs.draft_settings.ttt_kv_cache
-        draft = KimiK3Eagle3Draft(inputs.draft, attention_backend=backend, ttt_kv_cache=cache).to(inputs.draft_dtype)
+        backend, cache = ttt_attention_backend(inputs), inputs.draft_settings.kv_cache
+        draft = KimiK3Eagle3Draft(inputs.draft, attention_backend=backend, kv_cache=cache).to(inputs.draft_dtype)
         for p in draft.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
@@ -140,21 +140,21 @@ CASES = [
     pytest.param(lambda: k3_inputs(seq_len=256, ttt_steps=3, draft_dtype=torch.float32), id="k3-fp32-buffers"),
     pytest.param(lambda: quickstart(TINY), id="quickstart-eager"),
     # real K3 widths, T = 2048, K = 4, checkpointed
-    pytest.param(lambda: k3(ttt_kv_cache="latent"), id="k3-ckpt-latent"),
+    pytest.param(lambda: k3(kv_cache="latent"), id="k3-ckpt-latent"),
     pytest.param(lambda: k3(loss_backend="chunked"), id="k3-ckpt-chunked"),
-    pytest.param(lambda: k3(ttt_kv_cache="latent", loss_backend="chunked"), id="k3-ckpt-latent-chunked"),
+    pytest.param(lambda: k3(kv_cache="latent", loss_backend="chunked"), id="k3-ckpt-latent-chunked"),
     # without checkpointing, and in fp32 (x.float() is the tensor itself: other sharing)
-    pytest.param(lambda: k3_inputs(seq_len=512, ttt_steps=3, ttt_kv_cache="latent"), id="k3-latent"),
+    pytest.param(lambda: k3_inputs(seq_len=512, ttt_steps=3, kv_cache="latent"), id="k3-latent"),
     pytest.param(lambda: k3_inputs(seq_len=512, ttt_steps=3, loss_backend="chunked"), id="k3-chunked"),
-    pytest.param(lambda: k3_inputs(seq_len=256, ttt_steps=3, draft_dtype=torch.float32, ttt_kv_cache="latent",
+    pytest.param(lambda: k3_inputs(seq_len=256, ttt_steps=3, draft_dtype=torch.float32, kv_cache="latent",
                                    loss_backend="chunked", loss_chunk=128), id="k3-fp32-latent-chunked"),
     # the quickstart-like specs with the new settings (several loss chunks per step)
-    pytest.param(lambda: quickstart(TINY, ttt_kv_cache="latent"), id="quickstart-eager-latent"),
+    pytest.param(lambda: quickstart(TINY, kv_cache="latent"), id="quickstart-eager-latent"),
     pytest.param(lambda: quickstart(TINY, loss_backend="chunked", loss_chunk=512), id="quickstart-eager-chunked"),
-    pytest.param(lambda: quickstart(TINY, attention_backend="flash_lse", ttt_kv_cache="latent",
+    pytest.param(lambda: quickstart(TINY, attention_backend="flash_lse", kv_cache="latent",
                                     loss_backend="chunked", loss_chunk=512), id="quickstart-flash-latent-chunked"),
     pytest.param(lambda: quickstart(MEDIUM), id="medium-flash-no-mask"),
-    pytest.param(lambda: quickstart(MEDIUM, ttt_kv_cache="latent", loss_backend="chunked", loss_chunk=256),
+    pytest.param(lambda: quickstart(MEDIUM, kv_cache="latent", loss_backend="chunked", loss_chunk=256),
                  id="medium-latent-chunked"),
 ]  # fmt: skip
 
@@ -187,7 +187,7 @@ def test_each_mechanism_removes_what_it_should():
     assert per_step > chunked.BT * chunked.N_d * 4  # the log-probs [B,T/sp,N_d] fp32 are gone
     # and what is left is the hidden the fused loss saves, its row indices and the cache entry
     assert step_kept(chunked, 1, True) == chunked.BT * (7168 * 2 + 8) + cache_entry_bytes(chunked)
-    latent = DraftDims.of(k3_inputs(**base, ttt_kv_cache="latent"))
+    latent = DraftDims.of(k3_inputs(**base, kv_cache="latent"))
     assert cache_entry_bytes(latent) == latent.BT * (2 * 512 + 64) * 2
     assert cache_entry_bytes(flash) == flash.BT * 96 * (192 + 128) * 2
     plain = DraftDims.of(k3_inputs(**base))
@@ -212,8 +212,8 @@ def test_sequence_parallel_adds_the_exchanges_and_shrinks_the_rest():
 
 
 def test_latent_cache_with_sequence_parallelism_is_refused():
-    with pytest.raises(ValueError, match="draft_sequence_parallel_size=2 with model.draft.ttt_kv_cache='latent'"):
-        k3_inputs(seq_len=4096, world=8, ep=8, draft_sp=2, ttt_kv_cache="latent")
+    with pytest.raises(ValueError, match="draft_sequence_parallel_size=2 with model.draft.kv_cache='latent'"):
+        k3_inputs(seq_len=4096, world=8, ep=8, draft_sp=2, kv_cache="latent")
 
 
 def attention_call_census(d: DraftDims, k: int) -> tuple[int, int]:

@@ -16,14 +16,10 @@ from dspark_fit_helpers import cli, dspark_config
 from safetensors.torch import load_file
 
 from lightning_eagle.draft.dspark_export import load_dspark_export
-from lightning_eagle.run_settings import (
-    DSparkDraftSettings,
-    DSparkObjectiveSettings,
-    TargetSettings,
-    refuse_flat_model_keys,
-)
+from lightning_eagle.run_settings import TargetSettings, refuse_flat_model_keys
 from lightning_eagle.training.dspark_anchors import anchor_generator
 from lightning_eagle.training.dspark_module import DSparkModule, dspark_run_spec
+from lightning_eagle.training.dspark_settings import DSparkDraftSettings, DSparkObjectiveSettings
 
 TINY_TARGET = TargetSettings(path="quickstart", aux_layer_ids=(1, 3, 4), dtype="float32")
 TINY_DRAFT = DSparkDraftSettings(preset="k3-tiny")
@@ -39,7 +35,7 @@ TINY_DRAFT = DSparkDraftSettings(preset="k3-tiny")
         (lambda: DSparkObjectiveSettings(loss_backend="fast"), "model.objective.loss_backend: unknown"),
         (lambda: DSparkObjectiveSettings(anchor_seed=-1), "model.objective.anchor_seed must be an integer >= 0"),
         (lambda: DSparkDraftSettings(block_chunk=0), "model.draft.block_chunk must be a positive int"),
-        (lambda: DSparkDraftSettings(kv_form="paged"), "model.draft.kv_form must be one of 'latent', 'expanded'"),
+        (lambda: DSparkDraftSettings(kv_cache="paged"), "model.draft.kv_cache must be one of 'expanded', 'latent'"),
         (lambda: DSparkDraftSettings(dtype="float8"), "model.draft.dtype must be one of"),
         (lambda: DSparkDraftSettings(shard="yes"), "model.draft.shard must be true or false"),
         (lambda: DSparkDraftSettings(config={"target_layer_ids": [1]}), "set model.target.aux_layer_ids instead"),

@@ -26,7 +26,7 @@ LONG_CONTEXT_SETTINGS = [
     "--model.draft.attention_backend", "flash_lse",
     "--model.draft.activation_checkpointing", "true",
     "--model.objective.loss_backend", "chunked",
-    "--model.draft.ttt_kv_cache", "latent",
+    "--model.draft.kv_cache", "latent",
     "--model.target.token_chunk", "2048",
 ]  # fmt: skip
 

@@ -17,7 +17,7 @@ OK = {"num_attention_heads": 4, "draft": DraftSettings(), "target_source": "onli
     ("change", "message"),
     [
         ({"draft": DraftSettings(shard=True)}, SETTING + " with model.draft.shard=true is not supported"),
-        ({"draft": DraftSettings(ttt_kv_cache="latent")}, SETTING + " with model.draft.ttt_kv_cache='latent'"),
+        ({"draft": DraftSettings(kv_cache="latent")}, SETTING + " with model.draft.kv_cache='latent'"),
         ({"target_source": "features"}, SETTING + " with model.target.source='features' is not supported"),
         ({"stage": "predict"}, SETTING + " with predict is not supported: predict returns whole-sequence"),
         ({"num_attention_heads": 3}, SETTING + " must divide the draft's num_attention_heads"),
@@ -34,7 +34,7 @@ def test_unsupported_combinations_are_refused(change, message):
     ("settings", "message"),
     [
         ({"draft_shard": True}, "model.draft.shard=true"),
-        ({"ttt_kv_cache": "latent"}, "model.draft.ttt_kv_cache='latent'"),
+        ({"kv_cache": "latent"}, "model.draft.kv_cache='latent'"),
     ],
 )
 def test_the_module_refuses_them_in_setup_before_any_weight(target_dir, tmp_path, settings, message):
