@@ -44,7 +44,7 @@ def _build(T: int, seed: int = 0):
         hidden_size=256, num_attention_heads=8, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
         qk_rope_head_dim=16, v_head_dim=32, intermediate_size=512, vocab_size=4096, draft_vocab_size=1024,
         target_hidden_size=256, target_num_hidden_layers=8, aux_layer_ids=[1, 3, 4],
-        aux_hidden_state_stream="prefix", bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        aux_stream="prefix", bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )  # fmt: skip
     draft = KimiK3Eagle3Draft(config)
     batch = {

@@ -139,7 +139,7 @@ DRAFT_CONFIG_ELSEWHERE = {
     "ttt_steps": "model.objective.ttt_steps",
     "step_decay": "model.objective.step_decay",
     "aux_layer_ids": "model.target.aux_layer_ids",
-    "aux_hidden_state_stream": "model.target.aux_stream",
+    "aux_stream": "model.target.aux_stream",
     "draft_vocab_size": "data.draft_vocab_size (the data module builds the vocabulary map)",
 }
 

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_eagle.aux_layers import AUX_STREAMS, resolve_default_aux_layer_ids
+from lightning_eagle.aux_layers import AUX_STREAMS, renamed_fields, resolve_default_aux_layer_ids
 from lightning_eagle.aux_layers import validate_aux_layer_ids as validate_taps
 from lightning_eagle.settings import check_mla_heads_and_widths
 
@@ -65,13 +65,17 @@ DEEPSEEK_MLA_LAYER_VALUES = {
 }
 
 
+# EAGLE-3's rule for its taps beside the one validator's (:func:`~lightning_eagle.aux_layers.validate_aux_layer_ids`)
+TAP_REASONS = {"count": f"an EAGLE-3 draft's fc reads exactly {NUM_AUX_HIDDEN_STATES} tapped states"}
+
+
 @dataclass
 class Eagle3DraftConfig:
     """The architecture of one :class:`~lightning_eagle.draft.KimiK3Eagle3Draft`: what builds it, what its export
     describes. How it is trained (``ttt_steps``, ``step_decay``, loss options) is the training code's business.
 
     ``vocab_size`` is the *target* vocabulary V; ``draft_vocab_size`` is N_d (``None`` → V, the identity map).
-    ``aux_layer_ids`` / ``aux_hidden_state_stream`` record which target features the draft was trained on; they are
+    ``aux_layer_ids`` / ``aux_stream`` record which target features the draft was trained on; they are
     ``None`` for a draft imported from a reference export that does not say.
 
     ``architecture`` picks the decoder layer (``"k3"`` or ``"deepseek_mla"``, module docstring). ``rope_theta``,
@@ -104,7 +108,7 @@ class Eagle3DraftConfig:
     norm_output: bool = False
     freeze_embeddings: bool = True
     aux_layer_ids: list[int] | None = None
-    aux_hidden_state_stream: str | None = None
+    aux_stream: str | None = None
     bos_token_id: int | None = 163584
     eos_token_id: int | None = 163586
     pad_token_id: int | None = 163839
@@ -154,12 +158,10 @@ class Eagle3DraftConfig:
             raise ValueError(
                 f"EAGLE-3 uses {NUM_AUX_HIDDEN_STATES} aux hidden states, got {self.num_aux_hidden_states}"
             )
-        if self.aux_hidden_state_stream is not None and self.aux_hidden_state_stream not in AUX_STREAMS:
-            raise ValueError(
-                f"aux_hidden_state_stream must be one of {AUX_STREAMS}, got {self.aux_hidden_state_stream!r}"
-            )
+        if self.aux_stream is not None and self.aux_stream not in AUX_STREAMS:
+            raise ValueError(f"aux_stream must be one of {AUX_STREAMS}, got {self.aux_stream!r}")
         if self.aux_layer_ids is not None:
-            validate_taps(self.aux_layer_ids, self.target_num_hidden_layers, count=NUM_AUX_HIDDEN_STATES)
+            validate_taps(self.aux_layer_ids, self.target_num_hidden_layers, NUM_AUX_HIDDEN_STATES, why=TAP_REASONS)
 
     def _validate_k3_layer(self) -> None:
         served = "; a rotary SwiGLU draft that SGLang/vLLM serve is architecture='deepseek_mla'"
@@ -225,7 +227,7 @@ class Eagle3DraftConfig:
         values["target_num_hidden_layers"] = num_layers
         if "aux_layer_ids" not in overrides and num_layers is not None:
             values["aux_layer_ids"] = resolve_default_aux_layer_ids(num_layers)
-        values["aux_hidden_state_stream"] = "prefix"
+        values["aux_stream"] = "prefix"
         if overrides.get("architecture") == "deepseek_mla":
             values.update(DEEPSEEK_MLA_LAYER_VALUES)
             values["max_position_embeddings"] = getattr(text, "max_position_embeddings", None)
@@ -241,7 +243,7 @@ class Eagle3DraftConfig:
     def from_dict(cls, data: dict[str, Any], strict: bool = False) -> Eagle3DraftConfig:
         """Build from :meth:`to_dict` output or a draft ``config.json`` (foreign keys ignored unless ``strict``; the
         training settings older checkpoints and exports recorded here are always skipped)."""
-        names = {f.name for f in dataclasses.fields(cls)}
+        names, data = {f.name for f in dataclasses.fields(cls)}, renamed_fields(data)
         unknown = set(data) - names - set(TRAINING_SETTINGS)
         if strict and unknown:
             raise ValueError(f"unknown Eagle3DraftConfig fields: {sorted(unknown)}")

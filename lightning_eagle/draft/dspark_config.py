@@ -10,12 +10,13 @@ A plain dataclass, like :class:`~lightning_eagle.draft.Eagle3DraftConfig`: parsi
   gate, no NoPE, no q/k norm: vLLM builds ``MultiHeadLatentAttention(use_rope=True)`` and refuses the rest.
 * ``vocab_size`` is the target's: the embedding and LM head are the frozen target's (vLLM refuses
   ``draft_vocab_size != vocab_size``), so there is no draft vocabulary field.
-* ``target_layer_ids`` are our 0-based tap ids (tap ``i`` = the output of target layer ``i``), in ``context_proj``'s
-  input order. vLLM's runner adds one to them (``eagle3_utils.get_eagle3_aux_layers_from_config``: DSpark ids are
+* ``aux_layer_ids`` (the name of the taps in every family; the export writes vLLM's ``target_layer_ids``) are our
+  0-based tap ids (tap ``i`` = the output of target layer ``i``), in ``context_proj``'s input order. vLLM's runner
+  adds one to them (``eagle3_utils.get_eagle3_aux_layers_from_config``: DSpark ids are
   "capture-after" ids) and captures the state entering layer ``i + 1`` — our tap ``i`` — in **ascending** order
   (``SupportsEagle3._set_aux_hidden_state_layers`` sorts and de-duplicates), so the ids must ascend; tap ``L`` (the
   pre-norm final state) would be engine id ``L + 1``, which is never captured.
-* ``aux_hidden_state_stream``: which K3 AttnRes stream the taps read (``prefix``, vLLM's default, or ``mixed``, its
+* ``aux_stream``: which K3 AttnRes stream the taps read (``prefix``, vLLM's default, or ``mixed``, its
   ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1``); written into the export with the setting it needs.
 """
 
@@ -26,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_eagle.aux_layers import AUX_STREAMS
+from lightning_eagle.aux_layers import AUX_STREAMS, renamed_fields, validate_aux_layer_ids
 from lightning_eagle.ops.rotary import normalize_rope_scaling
 from lightning_eagle.settings import is_int
 
@@ -70,7 +71,7 @@ class DSparkDraftConfig:
     v_head_dim: int
     vocab_size: int
     target_hidden_size: int
-    target_layer_ids: list[int]
+    aux_layer_ids: list[int]
     block_size: int
     mask_token_id: int
     markov_rank: int = 256
@@ -80,7 +81,7 @@ class DSparkDraftConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
     target_num_hidden_layers: int | None = None
-    aux_hidden_state_stream: str = "prefix"
+    aux_stream: str = "prefix"
     hidden_act: str = DSPARK_HIDDEN_ACT
 
     def __post_init__(self) -> None:
@@ -114,14 +115,12 @@ class DSparkDraftConfig:
                 f"mask_token_id must be a token id in [0, {self.vocab_size}) (the target vocabulary: the mask slots "
                 f"are embedded with the target's embedding), got {self.mask_token_id!r}"
             )
-        if self.aux_hidden_state_stream not in AUX_STREAMS:
-            raise ValueError(
-                f"aux_hidden_state_stream must be one of {AUX_STREAMS}, got {self.aux_hidden_state_stream!r}"
-            )
+        if self.aux_stream not in AUX_STREAMS:
+            raise ValueError(f"aux_stream must be one of {AUX_STREAMS}, got {self.aux_stream!r}")
         L = self.target_num_hidden_layers
         if L is not None and (not is_int(L) or L < 1):
             raise ValueError(f"target_num_hidden_layers must be a positive int or null, got {L!r}")
-        self.target_layer_ids = check_target_layer_ids(self.target_layer_ids, L)
+        self.aux_layer_ids = check_taps(self.aux_layer_ids, L)
 
     # ---- derived -----------------------------------------------------------------------------------------------
     @property
@@ -131,7 +130,7 @@ class DSparkDraftConfig:
     @property
     def num_target_layers(self) -> int:
         """How many target states are concatenated (vLLM's ``num_target_layers``)."""
-        return len(self.target_layer_ids)
+        return len(self.aux_layer_ids)
 
     @property
     def context_size(self) -> int:
@@ -140,8 +139,8 @@ class DSparkDraftConfig:
 
     @property
     def engine_aux_layer_ids(self) -> list[int]:
-        """The capture ids vLLM's runner derives (``target_layer_ids`` + 1: the state entering that layer)."""
-        return [i + 1 for i in self.target_layer_ids]
+        """The capture ids vLLM's runner derives (``aux_layer_ids`` + 1: the state entering that layer)."""
+        return [i + 1 for i in self.aux_layer_ids]
 
     def replace(self, **changes: Any) -> DSparkDraftConfig:
         return dataclasses.replace(self, **changes)
@@ -151,38 +150,27 @@ class DSparkDraftConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DSparkDraftConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
+        names, data = {f.name for f in dataclasses.fields(cls)}, renamed_fields(data)
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"DSpark draft config: unknown fields {unknown}")
         return cls(**data)
 
 
-def check_target_layer_ids(ids: Any, num_target_layers: int | None) -> list[int]:
-    """The one check of DSpark taps (module docstring): a non-empty list of distinct ints, ascending, in
-    ``[0, L - 1]`` when the target depth ``L`` is known. Returns them as a list."""
-    if not isinstance(ids, (list, tuple)) or not ids:
-        raise ValueError(
-            f"target_layer_ids must be a non-empty list (vLLM: 'MLA DSpark requires non-empty target_layer_ids'), "
-            f"got {ids!r}"
-        )
-    ids = list(ids)
-    if not all(is_int(i) for i in ids):
-        raise ValueError(f"target_layer_ids must be ints, got {ids}")
-    if ids != sorted(set(ids)):
-        raise ValueError(
-            f"target_layer_ids {ids} must be distinct and ascending: vLLM sorts and de-duplicates the layers it "
-            "captures, so context_proj's input chunks arrive in ascending tap order"
-        )
-    if ids[0] < 0:
-        raise ValueError(f"target_layer_ids {ids} must be >= 0 (0-based decoder-layer outputs)")
-    if num_target_layers is not None and ids[-1] > num_target_layers - 1:
-        raise ValueError(
-            f"target_layer_ids {ids} must be in [0, {num_target_layers - 1}] for a {num_target_layers}-layer target: "
-            f"vLLM captures tap i as the state entering layer i + 1, and tap {num_target_layers} (the pre-norm final "
-            "state) is never captured"
-        )
-    return ids
+# DSpark's rules for its taps, with vLLM's reasons (the one validator: :func:`~lightning_eagle.aux_layers.
+# validate_aux_layer_ids`)
+TAP_REASONS = {
+    "count": "vLLM: 'MLA DSpark requires non-empty target_layer_ids'",
+    "ascending": "vLLM sorts and de-duplicates the layers it captures, so context_proj's input chunks arrive in "
+    "ascending tap order",
+    "range": "vLLM captures tap i as the state entering layer i + 1, so the pre-norm final state is never captured",
+}
+
+
+def check_taps(ids: Any, num_target_layers: int | None) -> list[int]:
+    """DSpark's taps (module docstring): one or more distinct ints, ascending, in ``[0, L - 1]`` when the target
+    depth ``L`` is known. Returns them as a list."""
+    return validate_aux_layer_ids(ids, num_target_layers, None, ascending=True, final=False, why=TAP_REASONS)
 
 
 # ---- presets -----------------------------------------------------------------------------------------------------
@@ -204,7 +192,7 @@ DSPARK_PRESETS: dict[str, dict[str, Any]] = {
         "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 5, "num_attention_heads": 96,
         "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
         "v_head_dim": 128, "vocab_size": 163840, "target_hidden_size": 7168,
-        "target_layer_ids": [1, 23, 45, 67, 89], "target_num_hidden_layers": 93, "block_size": 7,
+        "aux_layer_ids": [1, 23, 45, 67, 89], "target_num_hidden_layers": 93, "block_size": 7,
         "mask_token_id": 163837, "markov_rank": 256, "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
         "rope_scaling": K3_YARN, "max_position_embeddings": 1048576,
     },
@@ -213,7 +201,7 @@ DSPARK_PRESETS: dict[str, dict[str, Any]] = {
     "k3-tiny": {
         "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
         "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-        "v_head_dim": 20, "vocab_size": 512, "target_hidden_size": 128, "target_layer_ids": [1, 3, 4],
+        "v_head_dim": 20, "vocab_size": 512, "target_hidden_size": 128, "aux_layer_ids": [1, 3, 4],
         "target_num_hidden_layers": 6, "block_size": 4, "mask_token_id": 500, "markov_rank": 32,
         "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "rope_scaling": None, "max_position_embeddings": 4096,
     },

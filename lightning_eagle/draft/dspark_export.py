@@ -9,8 +9,8 @@
 entering layer ``i + 1``), ``block_size``, ``mask_token_id`` (what ``get_parallel_drafting_token_id`` reads),
 ``markov_rank``, ``enable_confidence_head`` + ``confidence_head_with_markov``, ``sample_from_anchor: true`` (slot 0
 predicts: vLLM's ``DSparkSpeculator`` default, written explicitly). The K3 AttnRes stream the taps read is
-recorded as ``aux_hidden_state_stream`` and as the engine setting it needs under ``serving_env``
-(``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM``), which :func:`dspark_serving_command` prints.
+recorded as ``aux_hidden_state_stream`` (the config's ``aux_stream``) and as the engine setting it needs under
+``serving_env`` (``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM``), which :func:`dspark_serving_command` prints.
 
 ``model.safetensors``: the drafter's state under its own names (they are vLLM's, see
 :mod:`lightning_eagle.draft.dspark`), floats in ``dtype`` (bf16 by default, what vLLM serves) except the confidence
@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from lightning_eagle import checkpoint_keys as keys
 from lightning_eagle.atomic import atomic_dir, weights_folder_problem
+from lightning_eagle.aux_layers import STREAM_EXPORT_KEY
 from lightning_eagle.draft.dspark import DSparkDrafter
 from lightning_eagle.draft.dspark_config import DSparkDraftConfig
 from lightning_eagle.draft.family import DraftFamily, checkpoint_draft_state, checkpoint_family, register_draft_family
@@ -46,8 +47,8 @@ VLLM_REFUSED_FLAGS = ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", 
 FP32_PREFIXES = ("confidence_head.",)  # vLLM keeps the confidence head in fp32
 # The config's fields the export writes in another form (``rope_parameters``) or beside a derived twin
 # (``num_target_layers``); every other field of DSparkDraftConfig is written and read under its own name (vLLM reads
-# the architecture ones so; ours, like ``target_num_hidden_layers`` and ``aux_hidden_state_stream``, it ignores).
-_FIELDS_WRITTEN_OTHERWISE = ("target_layer_ids", "rope_theta", "rope_scaling")
+# the architecture ones so; ours, like ``target_num_hidden_layers`` and ``aux_stream``, it ignores).
+_FIELDS_WRITTEN_OTHERWISE = ("aux_layer_ids", "aux_stream", "rope_theta", "rope_scaling")
 _PLAIN_FIELDS = tuple(f.name for f in dataclasses.fields(DSparkDraftConfig) if f.name not in _FIELDS_WRITTEN_OTHERWISE)
 
 
@@ -67,7 +68,7 @@ def dspark_config_json(config: DSparkDraftConfig, torch_dtype: torch.dtype) -> d
         model_type=DSPARK_MODEL_TYPE,
         num_key_value_heads=config.num_attention_heads,
         draft_vocab_size=config.vocab_size,
-        target_layer_ids=list(config.target_layer_ids),
+        target_layer_ids=list(config.aux_layer_ids),
         num_target_layers=config.num_target_layers,
         confidence_head_with_markov=config.enable_confidence_head,
         # slot 0 (the anchor) predicts the first draft token: what we train (vLLM's default, written to be explicit)
@@ -76,7 +77,8 @@ def dspark_config_json(config: DSparkDraftConfig, torch_dtype: torch.dtype) -> d
         tie_word_embeddings=False,
         torch_dtype=str(torch_dtype).removeprefix("torch."),
     )
-    data[SERVING_ENV_KEY] = {AUX_STREAM_ENV: AUX_STREAM_ENV_VALUE[config.aux_hidden_state_stream]}
+    data[STREAM_EXPORT_KEY] = config.aux_stream
+    data[SERVING_ENV_KEY] = {AUX_STREAM_ENV: AUX_STREAM_ENV_VALUE[config.aux_stream]}
     return data
 
 
@@ -108,7 +110,9 @@ def dspark_config_from_json(data: dict[str, Any]) -> DSparkDraftConfig:
             f"config.json: num_target_layers {data['num_target_layers']} != len(target_layer_ids) {len(ids)}"
         )
     values = {name: data[name] for name in _PLAIN_FIELDS if name in data}
-    values["target_layer_ids"] = data["target_layer_ids"]
+    values["aux_layer_ids"] = data["target_layer_ids"]
+    if STREAM_EXPORT_KEY in data:
+        values["aux_stream"] = data[STREAM_EXPORT_KEY]
     rope = dict(data.get("rope_parameters") or {"rope_type": "default", "rope_theta": 50000.0})
     values["rope_theta"] = rope.pop("rope_theta", 50000.0)
     kind = rope.pop("rope_type", "default")
@@ -228,7 +232,7 @@ register_draft_family(DraftFamily(
     recognizes=_recognizes,
     load_export=lambda folder, target, dtype, device: load_dspark_export(folder, dtype).to(device),
     export=_export, serve_lines=lambda config_json, folder: [dspark_serving_command(config_json, folder)],
-    taps=lambda config: list(config.target_layer_ids), legacy_config_keys=("dspark_draft_config",),
+    taps=lambda config: list(config.aux_layer_ids), legacy_config_keys=("dspark_draft_config",),
     layers=("lightning_eagle.training.dspark_module", "lightning_eagle.inference.block_speculative",
             "lightning_eagle.planning.dspark_plan"),
 ))  # fmt: skip

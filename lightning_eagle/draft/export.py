@@ -43,7 +43,7 @@ def export_draft(
     *,
     config: Eagle3DraftConfig | None = None,
     aux_layer_ids: list[int] | None = None,
-    aux_hidden_state_stream: str | None = None,
+    aux_stream: str | None = None,
     include_embeddings: bool | None = None,
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
@@ -54,7 +54,7 @@ def export_draft(
 
     ``include_embeddings=None`` writes ``embed_tokens.weight`` only when the embedding was trained
     (``config.freeze_embeddings`` false): a frozen copy equals the target's, which engines share. ``aux_layer_ids`` /
-    ``aux_hidden_state_stream`` override the config's record (required when the config has none). ``dtype`` casts the
+    ``aux_stream`` override the config's record (required when the config has none). ``dtype`` casts the
     floating tensors (e.g. ``torch.bfloat16``; None = as trained for the K3 format, bf16 for the engine format, the
     dtype engines serve drafts in); ``d2t``/``t2d`` keep int64/bool. ``architecture`` (None = the draft's own) is
     checked, never rewritten: asking for an engine name with a K3-faithful draft raises ``ValueError``.
@@ -66,8 +66,8 @@ def export_draft(
     changes = {}
     if aux_layer_ids is not None:
         changes["aux_layer_ids"] = list(aux_layer_ids)
-    if aux_hidden_state_stream is not None:
-        changes["aux_hidden_state_stream"] = aux_hidden_state_stream
+    if aux_stream is not None:
+        changes["aux_stream"] = aux_stream
     if changes:
         config = config.replace(**changes)
     if include_embeddings is None:

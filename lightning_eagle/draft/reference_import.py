@@ -12,7 +12,7 @@ vocabulary: ``lm_head`` rows and ``d2t`` are permuted together by ``argsort(i + 
 quantity (which target token each logit scores, losses, greedy tokens) is unchanged; only draft ids are renumbered.
 
 The reference config does not record which aux layers/stream the draft was trained on, so ``aux_layer_ids`` and
-``aux_hidden_state_stream`` are ``None`` on the imported config (re-export must supply them).
+``aux_stream`` are ``None`` on the imported config (re-export must supply them).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def config_from_reference(data: dict[str, Any]) -> Eagle3DraftConfig:
         fc_norm=reference_value("fc_norm", text.get("fc_norm")),
         norm_output=reference_value("norm_output", text.get("norm_output")),
         aux_layer_ids=None,
-        aux_hidden_state_stream=None,
+        aux_stream=None,
     )
     return Eagle3DraftConfig(**values)
 

@@ -48,12 +48,14 @@ from typing import Any
 
 import torch
 
+from lightning_eagle.aux_layers import STREAM_EXPORT_KEY
 from lightning_eagle.aux_layers import validate_aux_layer_ids as validate_taps
 from lightning_eagle.draft.config import (
     DEEPSEEK_MLA_LAYER_VALUES,
     DEFAULT_ROPE_THETA,
     FIELDS_FROM_TARGET,
     NUM_AUX_HIDDEN_STATES,
+    TAP_REASONS,
     TRAINING_SETTINGS,
     Eagle3DraftConfig,
 )
@@ -91,7 +93,7 @@ _PLAIN_FIELDS = (
     "fc_norm",
     "norm_output",
     # project fields
-    "aux_hidden_state_stream",
+    "aux_stream",
     "target_num_hidden_layers",
     "freeze_embeddings",
 )
@@ -191,17 +193,22 @@ def check_architecture_name(config: Eagle3DraftConfig, name: str | None) -> str:
     raise ValueError(f"a deepseek_mla draft is exported as {own!r} (what the engines load), not as {name!r}")
 
 
+def _json_name(field: str) -> str:
+    """The export's name of a config field (the stream keeps the spec's ``aux_hidden_state_stream``)."""
+    return STREAM_EXPORT_KEY if field == "aux_stream" else field
+
+
 def config_to_json(
     config: Eagle3DraftConfig, torch_dtype: torch.dtype, training: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The export's ``config.json`` (§14.2, or the engine format for deepseek_mla), with the training settings the
     draft was trained with (``ttt_steps``, ``step_decay``) as metadata when known. Refuses a draft whose aux ids are
     unknown: engines cannot serve it correctly."""
-    if config.aux_layer_ids is None or config.aux_hidden_state_stream is None:
+    if config.aux_layer_ids is None or config.aux_stream is None:
         raise ValueError(
             "the draft config does not record which target aux states it was trained on (aux_layer_ids / "
-            "aux_hidden_state_stream are None, e.g. a draft imported from a reference export); pass aux_layer_ids= "
-            "and aux_hidden_state_stream= to export_draft"
+            "aux_stream are None, e.g. a draft imported from a reference export); pass aux_layer_ids= "
+            "and aux_stream= to export_draft"
         )
     metadata = {k: v for k, v in (training or {}).items() if k in TRAINING_SETTINGS}
     if config.architecture == "deepseek_mla":
@@ -215,7 +222,7 @@ def config_to_json(
         )
     # kimi_k2: the DeepSeek-V3 config class vLLM and SGLang parse MLA drafts with (module docstring)
     data: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": ENGINE_MODEL_TYPE, "num_hidden_layers": 1}
-    data.update({name: getattr(config, name) for name in _PLAIN_FIELDS})
+    data.update({_json_name(name): getattr(config, name) for name in _PLAIN_FIELDS})
     data["tie_word_embeddings"] = False
     data["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
     data.update(aux_fields(config))
@@ -230,7 +237,7 @@ def aux_fields(config: Eagle3DraftConfig) -> dict[str, Any]:
         "aux_layer_ids": list(config.aux_layer_ids),
         AUX_IDS_KEY: engine_ids,
         "eagle_config": {AUX_IDS_KEY: engine_ids, "use_aux_hidden_state": True},
-        SERVING_ENV_KEY: {AUX_STREAM_ENV: AUX_STREAM_ENV_VALUE[config.aux_hidden_state_stream]},
+        SERVING_ENV_KEY: {AUX_STREAM_ENV: AUX_STREAM_ENV_VALUE[config.aux_stream]},
     }
 
 
@@ -260,7 +267,7 @@ def config_from_json(data: dict[str, Any]) -> Eagle3DraftConfig:
         return engine_config_from_json(data)
     if data.get("architectures") != [ARCHITECTURE]:
         raise ValueError(f"not a lightning_eagle K3 draft export: architectures={data.get('architectures')!r}")
-    values = {name: data[name] for name in _PLAIN_FIELDS if name in data}
+    values = {name: data[_json_name(name)] for name in _PLAIN_FIELDS if _json_name(name) in data}
     values["aux_layer_ids"] = aux_layer_ids_from_json(data, legacy_zero_based=True)
     return Eagle3DraftConfig(**values)
 
@@ -274,7 +281,7 @@ _ENGINE_FIELDS = (
 )
 # Ours only (engines ignore them): what the draft was trained on, for re-import and re-export.
 _ENGINE_PROJECT_FIELDS = (
-    "aux_hidden_state_stream",
+    "aux_stream",
     "target_num_hidden_layers",
     "freeze_embeddings",
 )
@@ -285,7 +292,7 @@ def check_engine_aux_ids(config: Eagle3DraftConfig) -> None:
     """The export's one check of the aux ids (module docstring): valid taps, our tap ``L`` refused (no engine captures
     it), a warning for tap 0 (SGLang's +1 rule)."""
     ids, L = (
-        validate_taps(config.aux_layer_ids, config.target_num_hidden_layers, count=NUM_AUX_HIDDEN_STATES),
+        validate_taps(config.aux_layer_ids, config.target_num_hidden_layers, NUM_AUX_HIDDEN_STATES, why=TAP_REASONS),
         config.target_num_hidden_layers,
     )
     if L is not None and L in ids:
@@ -354,7 +361,7 @@ def engine_config_to_json(config: Eagle3DraftConfig, torch_dtype: torch.dtype) -
     data["tie_word_embeddings"] = False
     data["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
     data.update(aux_fields(config))
-    data.update({name: getattr(config, name) for name in _ENGINE_PROJECT_FIELDS})
+    data.update({_json_name(name): getattr(config, name) for name in _ENGINE_PROJECT_FIELDS})
     return data
 
 
@@ -383,7 +390,7 @@ def engine_config_from_json(data: dict[str, Any]) -> Eagle3DraftConfig:
             f"{ENGINE_ARCHITECTURE} drafts have one layer, got num_hidden_layers={data['num_hidden_layers']}"
         )
     values: dict[str, Any] = {name: data[name] for name in _ENGINE_FIELDS if name in data}
-    values.update({name: data[name] for name in _ENGINE_PROJECT_FIELDS if name in data})
+    values.update({name: data[_json_name(name)] for name in _ENGINE_PROJECT_FIELDS if _json_name(name) in data})
     values.update(architecture="deepseek_mla", mla_use_nope=False, mla_use_output_gate=False)
     values.update(activation_situ_beta=None, activation_situ_linear_beta=None)
     values["hidden_act"] = data.get("hidden_act", "silu")
@@ -392,7 +399,7 @@ def engine_config_from_json(data: dict[str, Any]) -> Eagle3DraftConfig:
     ids = aux_layer_ids_from_json(data, legacy_zero_based=False)
     if ids is not None:
         values["aux_layer_ids"] = ids
-        values.setdefault("aux_hidden_state_stream", "prefix")  # what the engines feed by default
+        values.setdefault("aux_stream", "prefix")  # what the engines feed by default
     return Eagle3DraftConfig(**values)
 
 

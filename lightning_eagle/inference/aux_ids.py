@@ -6,7 +6,7 @@ Training and serving must tap the same features (`k3_target.md` §6.3). Resoluti
 2. else (a draft imported from a reference export records none) the target's default ``[1, L//2−1, L−4]``;
 3. else — shallow targets have no valid default — a ``ValueError`` that says what to pass.
 
-The stream is the draft's recorded ``aux_hidden_state_stream`` (``"prefix"`` when it records none).
+The stream is the draft's recorded ``aux_stream`` (``"prefix"`` when it records none).
 
 A family whose drafter records its taps in another form checks them in its own decoding module (DSpark:
 :func:`~lightning_eagle.inference.block_speculative.resolve_block_taps`).
@@ -20,7 +20,7 @@ from lightning_eagle.aux_layers import resolve_aux_layer_ids, validate_aux_layer
 def resolve_inference_aux(target, draft_config, aux_layer_ids: list[int] | None = None) -> tuple[list[int], str]:
     """``(aux_layer_ids, aux_stream)`` for running ``draft_config``'s draft on ``target``; raises ``ValueError``."""
     L = target.config.num_hidden_layers
-    stream = getattr(draft_config, "aux_hidden_state_stream", None) or "prefix"
+    stream = getattr(draft_config, "aux_stream", None) or "prefix"
     recorded = getattr(draft_config, "aux_layer_ids", None)
     count = 3 if recorded is None else len(recorded)  # the draft's own number of taps (a reference export records none)
     if aux_layer_ids is not None:

@@ -2,7 +2,7 @@
 them, lossless acceptance (`dspark.md`, "Inference"; vLLM's ``DSparkSpeculator`` with ``sample_from_anchor``).
 
 The drafter's context cache (:class:`~lightning_eagle.draft.dspark.DSparkContextCache`) holds the target's states
-at the drafter's ``target_layer_ids`` (its recorded AttnRes stream, what the export records and training read) of
+at the drafter's ``aux_layer_ids`` (its recorded AttnRes stream, what the export records and training read) of
 every *verified* position. The prefill (:func:`~lightning_eagle.inference.speculative.prefill_prompt`, shared with
 the chain loop), in chunks of ``prefill_chunk`` prompt tokens (None = one chunk):
 
@@ -42,7 +42,7 @@ from collections.abc import Iterable
 import torch
 
 from lightning_eagle.draft.dspark import DSparkContextCache, DSparkDrafter
-from lightning_eagle.draft.dspark_config import check_target_layer_ids
+from lightning_eagle.draft.dspark_config import check_taps
 from lightning_eagle.draft.dspark_export import DSPARK
 from lightning_eagle.inference.decoding_family import DecodingFamily, register_decoding_family
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, TargetStep
@@ -56,7 +56,7 @@ from lightning_eagle.inference.speculative import (
 
 
 def check_drafter(target, drafter) -> tuple[list[int], str]:
-    """``(target_layer_ids, aux_stream)`` after the checks that must pass before a block is drafted."""
+    """``(aux_layer_ids, aux_stream)`` after the checks that must pass before a block is drafted."""
     if not isinstance(drafter, DSparkDrafter):
         raise TypeError(f"block speculative decoding takes a DSparkDrafter, got {type(drafter).__name__}")
     ids, stream = resolve_block_taps(target, drafter.config)
@@ -70,7 +70,7 @@ def check_drafter(target, drafter) -> tuple[list[int], str]:
 
 
 def resolve_block_taps(target, config) -> tuple[list[int], str]:
-    """``(target_layer_ids, aux_stream)`` of a DSpark drafter's ``config``
+    """``(aux_layer_ids, aux_stream)`` of a DSpark drafter's ``config``
     (:class:`~lightning_eagle.draft.dspark_config.DSparkDraftConfig`) on ``target``, after checking what must agree
     before any block is drafted; raises ``ValueError`` naming the mismatch."""
     tc, L = target.config, target.config.num_hidden_layers
@@ -86,10 +86,10 @@ def resolve_block_taps(target, config) -> tuple[list[int], str]:
     trained_for = config.target_num_hidden_layers
     if trained_for is not None and trained_for != L:
         raise ValueError(
-            f"the DSpark drafter was built for a {trained_for}-layer target (target_layer_ids "
-            f"{list(config.target_layer_ids)}), but this target has {L} layers"
+            f"the DSpark drafter was built for a {trained_for}-layer target (aux_layer_ids "
+            f"{list(config.aux_layer_ids)}), but this target has {L} layers"
         )
-    return check_target_layer_ids(config.target_layer_ids, L), config.aux_hidden_state_stream
+    return check_taps(config.aux_layer_ids, L), config.aux_stream
 
 
 def check_num_draft_tokens(num_draft_tokens: int | None, block_size: int) -> int:
@@ -132,7 +132,7 @@ def block_speculative_generate(
     ``num_draft_tokens`` (None = its block size) and ``target`` verifying them (module docstring). Lossless: the
     target's greedy output at ``temperature=0``, its sampling distribution at ``temperature > 0``.
 
-    The taps and stream are the drafter's recorded ``target_layer_ids`` / ``aux_hidden_state_stream``.
+    The taps and stream are the drafter's recorded ``aux_layer_ids`` / ``aux_stream``.
     ``stop_token_ids`` end generation after the first stop token emitted (kept in ``tokens``). ``prefill_chunk``:
     prompt tokens per prefill forward (None = the whole prompt in one forward). ``top_p`` (temperature > 0): the target
     law is its top-p nucleus; the Markov head samples its own law (rejection sampling is lossless whatever the
@@ -189,9 +189,9 @@ def block_speculative_generate(
 
 def _block_generate(target, drafter, prompt_ids, max_new_tokens=64, num_draft_tokens=None, temperature=0.0,
                     seed=None, aux_layer_ids=None, **options):  # fmt: skip
-    if aux_layer_ids is not None:  # a block drafter's taps are its config's target_layer_ids, nothing else
-        raise ValueError(f"aux_layer_ids={aux_layer_ids!r}: a DSpark drafter taps its own target_layer_ids "
-                         f"{list(drafter.config.target_layer_ids)}")  # fmt: skip
+    if aux_layer_ids is not None:  # a block drafter's taps are its config's aux_layer_ids, nothing else
+        raise ValueError(f"aux_layer_ids={aux_layer_ids!r}: a DSpark drafter taps its own aux_layer_ids "
+                         f"{list(drafter.config.aux_layer_ids)}")  # fmt: skip
     return block_speculative_generate(target, drafter, prompt_ids, max_new_tokens, num_draft_tokens, temperature,
                                       seed, **options)  # fmt: skip
 

@@ -63,7 +63,7 @@ class DraftProposal:
 class Drafter(Protocol):
     """What :func:`~lightning_eagle.inference.speculative_generate` needs from a drafter. ``selected_token_ids``
     (target id of each draft-vocabulary row) is used at temperature > 0; ``aux_layer_ids`` /
-    ``aux_hidden_state_stream`` attributes (None allowed) say which target features ``extend`` expects."""
+    ``aux_stream`` attributes (None allowed) say which target features ``extend`` expects."""
 
     selected_token_ids: torch.Tensor
 

@@ -14,6 +14,7 @@ import torch
 from lightning.fabric.utilities.seed import _collect_rng_states
 
 from lightning_eagle import checkpoint_keys as keys
+from lightning_eagle.aux_layers import renamed_fields
 from lightning_eagle.draft.family import checkpoint_family
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.training.resume import rng_states_to_checkpoint
@@ -100,7 +101,9 @@ def check_resume(module, checkpoint: dict[str, Any]) -> None:
             f"the checkpoint was trained against another target (config fingerprint {saved}, this target "
             f"{module.target_spec.fingerprint} at {module.target_spec.path})"
         )
-    refuse_another_draft(checkpoint.get(keys.DRAFT_CONFIG), module.draft_config.to_dict(), family.resumable_fields)
+    saved_config = checkpoint.get(keys.DRAFT_CONFIG)
+    saved_config = None if saved_config is None else renamed_fields(saved_config)  # an older checkpoint's field names
+    refuse_another_draft(saved_config, module.draft_config.to_dict(), family.resumable_fields)
     saved_sharded, shard = checkpoint.get(keys.DRAFT_SHARDED, False), getattr(module.draft_settings, "shard", False)
     if saved_sharded != shard:
         raise ValueError(

@@ -75,7 +75,7 @@ def dspark_run_spec(
     the target's text config standing in for a checkpoint folder that is not on this machine (the memory plan)."""
     if draft.preset not in DSPARK_PRESETS:
         raise ValueError(f"model.draft.preset {draft.preset!r} is unknown; choose one of {sorted(DSPARK_PRESETS)}")
-    taps = target.aux_layer_ids or tuple(DSPARK_PRESETS[draft.preset]["target_layer_ids"])
+    taps = target.aux_layer_ids or tuple(DSPARK_PRESETS[draft.preset]["aux_layer_ids"])
     where = "model.target.aux_layer_ids" + ("" if target.aux_layer_ids else f" (preset {draft.preset!r}'s)")
     try:
         spec = TargetSpec.from_settings(dataclasses.replace(target, aux_layer_ids=taps), config=config, tap_count=None)
@@ -85,8 +85,8 @@ def dspark_run_spec(
     try:
         config = dspark_config_from_preset(
             draft.preset, **draft.config, vocab_size=text.vocab_size, target_hidden_size=text.hidden_size,
-            target_num_hidden_layers=text.num_hidden_layers, target_layer_ids=list(spec.aux_layer_ids),
-            aux_hidden_state_stream=spec.aux_stream,
+            target_num_hidden_layers=text.num_hidden_layers, aux_layer_ids=list(spec.aux_layer_ids),
+            aux_stream=spec.aux_stream,
         )  # fmt: skip
     except TypeError as err:  # an unknown field
         raise ValueError(f"model.draft.config: {err}") from None

@@ -21,8 +21,8 @@ from lightning_eagle.settings import DEFAULT_LOSS_CHUNK, check_positive_int_or_n
 
 # DSpark draft config fields that other settings own (the draft config is built from them and the target's config).
 DSPARK_CONFIG_ELSEWHERE = {
-    "target_layer_ids": "model.target.aux_layer_ids",
-    "aux_hidden_state_stream": "model.target.aux_stream",
+    "aux_layer_ids": "model.target.aux_layer_ids",
+    "aux_stream": "model.target.aux_stream",
     "vocab_size": "the target's config.json (the embedding and LM head are the target's)",
     "target_hidden_size": "the target's config.json",
     "target_num_hidden_layers": "the target's config.json",

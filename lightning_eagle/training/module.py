@@ -276,6 +276,6 @@ class Eagle3Module(DraftTrainingModule):
 
 def _draft_config(spec: TargetSpec, draft: DraftSettings, draft_vocab_size: int | None) -> Eagle3DraftConfig:
     return Eagle3DraftConfig.from_target_config(
-        spec.config, **draft.config, draft_vocab_size=draft_vocab_size, aux_hidden_state_stream=spec.aux_stream,
+        spec.config, **draft.config, draft_vocab_size=draft_vocab_size, aux_stream=spec.aux_stream,
         aux_layer_ids=list(spec.aux_layer_ids),
     )  # fmt: skip

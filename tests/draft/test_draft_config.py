@@ -33,7 +33,7 @@ def test_fields_default_to_the_target(make_config):
         assert getattr(cfg, name) == getattr(target, name), name
     assert cfg.target_hidden_size == target.hidden_size
     assert cfg.target_num_hidden_layers == target.num_hidden_layers
-    assert cfg.aux_hidden_state_stream == "prefix"
+    assert cfg.aux_stream == "prefix"
     assert cfg.freeze_embeddings is True
 
 

@@ -140,9 +140,9 @@ def test_refusals_leave_nothing_behind(tmp_path, source_overrides, kwargs, fragm
 
 
 def test_mixed_stream_exports_with_the_engine_setting(tmp_path):
-    config, _ = export(mla_draft(aux_hidden_state_stream="mixed"), tmp_path / "out")
+    config, _ = export(mla_draft(aux_stream="mixed"), tmp_path / "out")
     assert config["serving_env"] == {"VLLM_KIMI_K3_AUX_ATTN_RES_STREAM": "1"}
-    assert fmt.engine_config_from_json(config).aux_hidden_state_stream == "mixed"
+    assert fmt.engine_config_from_json(config).aux_stream == "mixed"
     lines = fmt.serving_instructions(config, str(tmp_path / "out"))
     assert lines[0] == "engine setting the draft needs: VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1"
     assert lines[1].startswith(
@@ -193,7 +193,7 @@ def test_a_foreign_export_of_the_format_imports(tmp_path):
     save_file(foreign, str(tmp_path / "foreign" / "model.safetensors"))
     (tmp_path / "foreign" / "config.json").write_text(json.dumps(config))
     loaded = KimiK3Eagle3Draft.from_pretrained(tmp_path / "foreign", target_embedding=draft.embed_tokens.weight)
-    assert loaded.config.aux_layer_ids == [1, 3, 5] and loaded.config.aux_hidden_state_stream == "prefix"
+    assert loaded.config.aux_layer_ids == [1, 3, 5] and loaded.config.aux_stream == "prefix"
     assert torch.equal(loaded.selected_token_ids, selected)
     batch = tiny_batch(draft.config)
     torch.testing.assert_close(unroll(loaded, batch), unroll(draft, batch), rtol=0, atol=0)

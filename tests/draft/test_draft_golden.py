@@ -115,7 +115,7 @@ def test_golden_step0_logits(golden):
 def test_golden_reexport_round_trip(golden, tmp_path):
     draft = KimiK3Eagle3Draft.from_pretrained(golden["dir"] / "export")
     out_dir = export_draft(
-        draft, tmp_path / "ours", aux_layer_ids=[1, 3, 4], aux_hidden_state_stream="prefix", include_embeddings=True
+        draft, tmp_path / "ours", aux_layer_ids=[1, 3, 4], aux_stream="prefix", include_embeddings=True
     )
     again = KimiK3Eagle3Draft.from_pretrained(out_dir)
     a, b = run_golden(draft, golden["batch"]), run_golden(again, golden["batch"])

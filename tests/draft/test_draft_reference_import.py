@@ -52,7 +52,7 @@ def test_frequency_order_is_sorted_on_import(make_draft, make_batch, tmp_path):
     loaded = KimiK3Eagle3Draft.from_pretrained(tmp_path / "ref")
     for key, value in draft.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
-    assert loaded.config.aux_layer_ids is None and loaded.config.aux_hidden_state_stream is None
+    assert loaded.config.aux_layer_ids is None and loaded.config.aux_stream is None
     assert loaded.config.fc_norm and loaded.config.target_num_hidden_layers == 6
     # target-id space: the reference-order logits, scattered by the reference's own map, equal ours
     batch = make_batch(draft.config)
@@ -74,7 +74,7 @@ def test_reexport_needs_aux_ids(make_draft, tmp_path):
     loaded = KimiK3Eagle3Draft.from_pretrained(tmp_path / "ref")
     with pytest.raises(ValueError, match="aux_layer_ids"):
         export_draft(loaded, tmp_path / "ours")
-    out = export_draft(loaded, tmp_path / "ours", aux_layer_ids=[1, 3, 5], aux_hidden_state_stream="prefix")
+    out = export_draft(loaded, tmp_path / "ours", aux_layer_ids=[1, 3, 5], aux_stream="prefix")
     again = KimiK3Eagle3Draft.from_pretrained(out, target_embedding=loaded.embed_tokens.weight)
     assert again.config.aux_layer_ids == [1, 3, 5]
     assert torch.equal(again.lm_head.weight, loaded.lm_head.weight)
@@ -121,7 +121,7 @@ def test_golden_reference_export_loads(golden_draft_dir):
     assert (c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank) == (64, 4, 32, 16)
     assert (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.intermediate_size) == (16, 8, 16, 128)
     assert (c.vocab_size, c.draft_vocab_size, c.rms_norm_eps) == (512, 256, 1e-5)
-    assert c.aux_layer_ids is None and c.aux_hidden_state_stream is None
+    assert c.aux_layer_ids is None and c.aux_stream is None
     assert not bool((raw["d2t"][1:] >= raw["d2t"][:-1]).all())  # the golden map is in frequency order
     perm = reference_vocab_permutation(raw["d2t"], raw["t2d"])
     assert torch.equal(draft.lm_head.weight, raw["lm_head.weight"][perm])

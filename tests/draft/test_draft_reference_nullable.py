@@ -143,7 +143,7 @@ def test_reference_optional_fields_round_trip(overrides, edits, expected, tmp_pa
     for name, value in edits.items():  # the export really says what the case claims
         assert (name not in data) if value is MISSING else (data[name] == value)
     loaded = KimiK3Eagle3Draft.from_pretrained(tmp_path / "ref")
-    want = source.config.to_dict() | {"aux_layer_ids": None, "aux_hidden_state_stream": None} | expected
+    want = source.config.to_dict() | {"aux_layer_ids": None, "aux_stream": None} | expected
     assert loaded.config.to_dict() == want
     assert_same_outputs(source, loaded)
 
@@ -180,7 +180,7 @@ def test_no_q_lora_draft_end_to_end(tmp_path):
     imported = KimiK3Eagle3Draft.from_pretrained(tmp_path / "ref")
     assert imported.config.q_lora_rank is None
     assert_same_outputs(source, imported)
-    ours = export_draft(imported, tmp_path / "ours", aux_layer_ids=[1, 3, 5], aux_hidden_state_stream="prefix")
+    ours = export_draft(imported, tmp_path / "ours", aux_layer_ids=[1, 3, 5], aux_stream="prefix")
     assert json.loads((ours / "config.json").read_text())["q_lora_rank"] is None
     again = KimiK3Eagle3Draft.from_pretrained(ours, target_embedding=source.embed_tokens.weight)
     assert again.config.q_lora_rank is None

@@ -19,12 +19,15 @@ from lightning_eagle.k3.loader import QUICKSTART_TARGET
         ({"qk_rope_head_dim": 7}, "qk_rope_head_dim must be even"),
         ({"hidden_act": "situ"}, "hidden_act must be 'silu'"),
         ({"mask_token_id": 512}, r"mask_token_id must be a token id in \[0, 512\)"),
-        ({"target_layer_ids": []}, "target_layer_ids must be a non-empty list"),
-        ({"target_layer_ids": [3, 1, 4]}, "must be distinct and ascending"),
-        ({"target_layer_ids": [1, 1, 4]}, "must be distinct and ascending"),
-        ({"target_layer_ids": [-1, 3]}, "must be >= 0"),
-        ({"target_layer_ids": [1, 3, 6]}, r"must be in \[0, 5\] for a 6-layer target"),
-        ({"aux_hidden_state_stream": "mix"}, "aux_hidden_state_stream must be one of"),
+        ({"aux_layer_ids": []}, "expected at least one id: vLLM: 'MLA DSpark requires non-empty target_layer_ids'"),
+        ({"aux_layer_ids": [3, 1, 4]}, "ids must be ascending: vLLM sorts and de-duplicates"),
+        ({"aux_layer_ids": [1, 1, 4]}, "ids must be distinct"),
+        ({"aux_layer_ids": [-1, 3]}, r"ids must be in \[0, 5\].*outside: \[-1\]"),
+        (
+            {"aux_layer_ids": [1, 3, 6]},
+            r"ids must be in \[0, 5\] \(num_hidden_layers=6; 6, the pre-norm final state, is not a tap",
+        ),
+        ({"aux_stream": "mix"}, "aux_stream must be one of"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling type 'linear' is not supported"),
         ({"rms_norm_eps": 0.0}, "rms_norm_eps must be a positive finite number"),
         ({"enable_confidence_head": 1}, "enable_confidence_head must be a bool"),
@@ -44,9 +47,9 @@ def test_unknown_preset_and_field():
 
 def test_derived_fields_and_round_trip():
     config = dspark_config_from_preset("k3-tiny")
-    assert config.num_target_layers == len(config.target_layer_ids)
-    assert config.context_size == len(config.target_layer_ids) * config.target_hidden_size
-    assert config.engine_aux_layer_ids == [i + 1 for i in config.target_layer_ids]
+    assert config.num_target_layers == len(config.aux_layer_ids)
+    assert config.context_size == len(config.aux_layer_ids) * config.target_hidden_size
+    assert config.engine_aux_layer_ids == [i + 1 for i in config.aux_layer_ids]
     assert DSparkDraftConfig.from_dict(config.to_dict()) == config
 
 

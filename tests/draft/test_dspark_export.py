@@ -31,7 +31,7 @@ def drafter(**overrides) -> DSparkDrafter:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_round_trip_is_exact(tmp_path, dtype):
-    model = drafter(rope_scaling=YARN, aux_hidden_state_stream="mixed")
+    model = drafter(rope_scaling=YARN, aux_stream="mixed")
     folder = export_dspark_draft(model, tmp_path / "served", dtype=dtype)
     weights = load_file(str(folder / "model.safetensors"))
     assert set(weights) == set(model.state_dict())
@@ -50,7 +50,7 @@ def test_config_json_holds_what_vllm_reads(tmp_path):
     data = json.loads((export_dspark_draft(model, tmp_path / "served") / "config.json").read_text())
     c = model.config
     assert data["architectures"] == ["K3DSparkModel"] and data["model_type"] == "k3_dspark"
-    assert data["target_layer_ids"] == c.target_layer_ids and data["num_target_layers"] == len(c.target_layer_ids)
+    assert data["target_layer_ids"] == c.aux_layer_ids and data["num_target_layers"] == len(c.aux_layer_ids)
     assert data["draft_vocab_size"] == data["vocab_size"] == c.vocab_size
     assert data["q_lora_rank"] == c.q_lora_rank and data["mask_token_id"] == c.mask_token_id
     assert data["num_key_value_heads"] == data["num_attention_heads"] == c.num_attention_heads
@@ -76,7 +76,7 @@ def test_every_config_field_survives_config_json():
 
     off_default = {"markov_rank": 8, "enable_confidence_head": False, "rms_norm_eps": 1e-6, "rope_theta": 9e4,
                    "rope_scaling": YARN, "max_position_embeddings": 8192, "target_num_hidden_layers": 7,
-                   "aux_hidden_state_stream": "mixed"}  # fmt: skip
+                   "aux_stream": "mixed"}  # fmt: skip
     config = dspark_config_from_preset("k3-tiny", **off_default)
     defaults = {f.name: f.default for f in dataclasses.fields(DSparkDraftConfig)}
     changed = {name for name in defaults if getattr(config, name) != defaults[name]}
@@ -85,7 +85,7 @@ def test_every_config_field_survives_config_json():
 
 
 def test_serving_command(tmp_path):
-    model = drafter(aux_hidden_state_stream="mixed")
+    model = drafter(aux_stream="mixed")
     folder = export_dspark_draft(model, tmp_path / "served")
     line = dspark_serving_command(json.loads((folder / "config.json").read_text()), str(folder), target="/m/K3")
     assert line.startswith("VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1 vllm serve /m/K3 --speculative-config '")
@@ -152,7 +152,7 @@ def test_a_checkpoint_draft_is_read_as_strictly_as_an_export():
         ({"num_target_layers": 2}, r"num_target_layers 2 != len\(target_layer_ids\) 3"),
         ({"q_lora_rank": None}, "q_lora_rank is required"),
         ({"sample_from_anchor": False}, "sample_from_anchor must be true"),
-        ({"target_layer_ids": [], "num_target_layers": 0}, "target_layer_ids must be a non-empty list"),
+        ({"target_layer_ids": [], "num_target_layers": 0}, "expected at least one id: vLLM"),
     ],
 )
 def test_reader_refuses_what_vllm_refuses(tmp_path, changes, message):

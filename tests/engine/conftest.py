@@ -101,7 +101,7 @@ def quickstart_shape_export(tmp_path_factory) -> Path:
     torch.manual_seed(5)
     config = Eagle3DraftConfig.from_target_config(
         read_config(QUICKSTART_TARGET.parent), architecture="deepseek_mla", intermediate_size=256, draft_vocab_size=320,
-        aux_layer_ids=[1, 3, 5], aux_hidden_state_stream="prefix", fc_norm=True,
+        aux_layer_ids=[1, 3, 5], aux_stream="prefix", fc_norm=True,
     )  # fmt: skip
     draft = build_draft(config)
     with torch.no_grad():

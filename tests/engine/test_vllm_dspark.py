@@ -52,7 +52,7 @@ REFUSALS = {
     "draft_vocab": {"draft_vocab_size": 256},
 }
 VARIANTS = {
-    "confidence": dict(rope_scaling=YARN, aux_hidden_state_stream="mixed"),
+    "confidence": dict(rope_scaling=YARN, aux_stream="mixed"),
     "no_confidence": dict(enable_confidence_head=False, block_size=3),
 }
 # ... and the drafter `cli.py fit --config configs/quickstart_dspark.yaml` exports (a few steps, bf16 as served)

@@ -83,7 +83,7 @@ def train_dspark(
     position = torch.arange(T)
     loss_mask = torch.stack([(position >= start) & (position < len(s)) for s, start in zip(sequences, supervised_from)])
     with torch.no_grad():
-        cap = target.capture(ids, None, config.target_layer_ids, config.aux_hidden_state_stream)
+        cap = target.capture(ids, None, config.aux_layer_ids, config.aux_stream)
     heads = DSparkHeads(
         lm_head_weight=target.lm_head.weight,
         markov_w1=drafter.markov_head.markov_w1.weight,

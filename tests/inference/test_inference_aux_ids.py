@@ -23,13 +23,13 @@ def fake_target(num_layers):
 
 def test_recorded_ids_and_stream_are_used():
     assert resolve_inference_aux(fake_target(6), draft_config()) == ([1, 3, 5], "prefix")
-    mixed = draft_config(aux_layer_ids=[0, 2, 6], aux_hidden_state_stream="mixed")
+    mixed = draft_config(aux_layer_ids=[0, 2, 6], aux_stream="mixed")
     assert resolve_inference_aux(fake_target(6), mixed) == ([0, 2, 6], "mixed")
     assert resolve_inference_aux(fake_target(6), draft_config(), [2, 4, 6]) == ([2, 4, 6], "prefix")  # explicit wins
 
 
 def test_unrecorded_ids_fall_back_to_the_target_default_or_raise():
-    imported = draft_config(aux_layer_ids=None, aux_hidden_state_stream=None, target_num_hidden_layers=None)
+    imported = draft_config(aux_layer_ids=None, aux_stream=None, target_num_hidden_layers=None)
     assert resolve_inference_aux(fake_target(93), imported) == ([1, 45, 89], "prefix")
     with pytest.raises(ValueError, match="records no aux_layer_ids.*pass aux_layer_ids explicitly"):
         resolve_inference_aux(fake_target(6), imported)  # shallow: the default [1, 2, 2] collides
@@ -47,7 +47,7 @@ def test_recorded_ids_of_another_target_or_invalid_explicit_ids_raise():
 def test_speculative_generate_with_an_imported_draft_needs_explicit_ids():
     target = make_target(seed=12)
     draft = draft_for_target(target, draft_vocab_size=72)
-    draft.config = draft.config.replace(aux_layer_ids=None, aux_hidden_state_stream=None)
+    draft.config = draft.config.replace(aux_layer_ids=None, aux_stream=None)
     prompt = [4, 8, 15, 16]
     with pytest.raises(ValueError, match="records no aux_layer_ids"):
         speculative_generate(target, draft, prompt, max_new_tokens=4)

@@ -63,8 +63,8 @@ def assert_context_is_the_verified_states(target, drafter: RecordingDrafter, seq
     """Each round's cache equals the drafter's projection of a full target capture of positions ``0..n−1`` and the
     anchor is token ``n`` of the output: the states of exactly the verified positions, nothing rejected."""
     config = drafter.config
-    ids, taps = torch.tensor([sequence]), tuple(config.target_layer_ids)  # any number of taps: not target.capture's 3
-    full = capture_taps(target, ids, None, taps, config.aux_hidden_state_stream, False, False)
+    ids, taps = torch.tensor([sequence]), tuple(config.aux_layer_ids)  # any number of taps: not target.capture's 3
+    full = capture_taps(target, ids, None, taps, config.aux_stream, False, False)
     expected = drafter.context_kv(full.aux_hidden_states, torch.arange(len(sequence)))
     for n, layers, anchor in drafter.seen:
         assert anchor == sequence[n]
@@ -104,7 +104,7 @@ def test_five_taps_of_the_mixed_stream_reach_the_drafter(preset):
     """The real K3 drafter reads 5 taps; the ``mixed`` AttnRes stream (what the next layer reads) is recorded and
     used; without AttnRes both streams are the plain residual."""
     target = make_target(preset, seed=4)
-    drafter = recording(dspark_for_target(target, target_layer_ids=[0, 1, 2, 4, 5], aux_hidden_state_stream="mixed"))
+    drafter = recording(dspark_for_target(target, aux_layer_ids=[0, 1, 2, 4, 5], aux_stream="mixed"))
     prompt = [7, 100, 3, 42, 9, 250]
     ref = plain_generate(target, prompt, 12).tokens
     assert_decided(target, prompt, ref)
@@ -163,7 +163,7 @@ def sampled_law(monkeypatch, broken=None, samples=SAMPLES, top_p=1.0):
     """Counts of the first NEW tokens over ``samples`` seeds (x1 from the prefill, x2..x4 from rounds of K = 3
     drafts), the target's exact law of them, and every round's acceptance and first-position TV."""
     target = make_target("k3-tiny-trailing-mla", seed=11, vocab_size=V, lm_head_scale=6.0)
-    drafter = dspark_for_target(target, seed=2, block_size=3, target_layer_ids=[1, 2, 4])
+    drafter = dspark_for_target(target, seed=2, block_size=3, aux_layer_ids=[1, 2, 4])
     with torch.no_grad():
         drafter.markov_head.markov_w2.weight.mul_(30.0)  # a draft far from the target, so rejections are frequent
     prompt = [2, 0, 1, 1, 2]

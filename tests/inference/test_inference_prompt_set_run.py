@@ -166,7 +166,7 @@ def test_a_dspark_export_is_measured_with_block_drafting(exported, tmp_path, cap
     from lightning_eagle.draft.dspark_export import export_dspark_draft
 
     target_dir, _ = exported
-    drafter = dspark_for_target(make_target(seed=32, **SYNTHETIC), seed=3, block_size=3, target_layer_ids=[0, 1])
+    drafter = dspark_for_target(make_target(seed=32, **SYNTHETIC), seed=3, block_size=3, aux_layer_ids=[0, 1])
     draft_dir = export_dspark_draft(drafter, tmp_path / "dspark", dtype=torch.float32)
     out = tmp_path / "report"
     main(["acceptance", "--target", str(target_dir), "--draft", str(draft_dir), "--benchmarks", "humaneval",

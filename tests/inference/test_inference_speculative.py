@@ -71,7 +71,7 @@ class OracleDrafter:
     loop feeds it the right next tokens and the target's aux features of the right positions."""
 
     aux_layer_ids = [1, 3, 5]
-    aux_hidden_state_stream = "prefix"
+    aux_stream = "prefix"
 
     def __init__(self, sequence, full_aux, vocab, schedule):
         self.sequence, self.full_aux, self.vocab, self.schedule = sequence, full_aux, vocab, schedule

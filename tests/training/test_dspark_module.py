@@ -38,7 +38,7 @@ TINY_DRAFT = DSparkDraftSettings(preset="k3-tiny")
         (lambda: DSparkDraftSettings(kv_cache="paged"), "model.draft.kv_cache must be one of 'expanded', 'latent'"),
         (lambda: DSparkDraftSettings(dtype="float8"), "model.draft.dtype must be one of"),
         (lambda: DSparkDraftSettings(shard="yes"), "model.draft.shard must be true or false"),
-        (lambda: DSparkDraftSettings(config={"target_layer_ids": [1]}), "set model.target.aux_layer_ids instead"),
+        (lambda: DSparkDraftSettings(config={"aux_layer_ids": [1]}), "set model.target.aux_layer_ids instead"),
         (lambda: DSparkDraftSettings(config={"vocab_size": 8}), "model.draft.config.vocab_size: set the target's"),
     ],
 )
@@ -49,7 +49,7 @@ def test_each_dspark_setting_is_checked_where_it_is_made(make, message):
 
 def test_the_run_spec_takes_the_targets_sizes_and_the_run_taps():
     spec, config = dspark_run_spec(TINY_TARGET, TINY_DRAFT)
-    assert list(spec.aux_layer_ids) == config.target_layer_ids == [1, 3, 4]
+    assert list(spec.aux_layer_ids) == config.aux_layer_ids == [1, 3, 4]
     assert (config.vocab_size, config.target_hidden_size) == (spec.config.vocab_size, spec.config.hidden_size)
     assert config.target_num_hidden_layers == spec.config.num_hidden_layers
     # five taps (the real K3's count) are fine for the drafter, never for EAGLE-3's three-tap spec
@@ -60,7 +60,7 @@ def test_the_run_spec_takes_the_targets_sizes_and_the_run_taps():
 @pytest.mark.parametrize(
     ("target", "draft", "message"),
     [
-        (TargetSettings(path="quickstart", aux_layer_ids=(3, 1, 4)), TINY_DRAFT, "must be distinct and ascending"),
+        (TargetSettings(path="quickstart", aux_layer_ids=(3, 1, 4)), TINY_DRAFT, "ids must be ascending: vLLM sorts"),
         (TargetSettings(path="quickstart", aux_layer_ids=(1, 3, 6)), TINY_DRAFT, r"must be in \[0, 5\]"),
         (TargetSettings(path="quickstart"), DSparkDraftSettings(preset="k3"), "preset 'k3''s"),  # K3 taps, tiny target
         (TINY_TARGET, DSparkDraftSettings(preset="k4"), "model.draft.preset 'k4' is unknown"),
@@ -155,7 +155,7 @@ def test_quickstart_dspark_fits_validates_and_exports(tmp_path):
                  "val/tau_sim", "val/accept_3", "val/loss"):  # fmt: skip
         assert name in header, name
     drafter = load_dspark_export(root / "draft")  # our reader: every tensor, the config vLLM reads
-    assert drafter.config.target_layer_ids == [1, 3, 4] and drafter.config.block_size == 4
+    assert drafter.config.aux_layer_ids == [1, 3, 4] and drafter.config.block_size == 4
     ckpt = root / "checkpoints" / "last.ckpt"
     assert torch.load(ckpt, weights_only=False)["global_step"] == 4
     validated = cli(tmp_path, "validate", "--config", str(dspark_config(tmp_path, "run", max_steps=4)),
@@ -209,6 +209,10 @@ def test_a_dspark_checkpoint_is_refused_by_an_eagle3_resume_and_back(tmp_path):
     with pytest.raises(ValueError, match="block_size: checkpoint 7, this run 4"):  # the layout before: its own key
         module.check_resume({"dspark_draft_config": changed})
     module.check_resume(record)  # its own record continues
+    # a checkpoint of the layout before: its own config key and the field names before one name per concept
+    before = {("target_layer_ids" if k == "aux_layer_ids" else "aux_hidden_state_stream" if k == "aux_stream" else k): v
+              for k, v in record[keys.DRAFT_CONFIG].items()}  # fmt: skip
+    module.check_resume({"dspark_draft_config": before})
 
 
 def test_the_command_line_picks_the_family(tmp_path):

@@ -46,7 +46,7 @@ class ToyConfig:
     vocab_size: int
     hidden_size: int
     taps: tuple[int, ...]
-    aux_hidden_state_stream: str = "prefix"
+    aux_stream: str = "prefix"
 
     @property
     def aux_layer_ids(self) -> list[int]:
@@ -69,7 +69,7 @@ class ToyDrafter(nn.Module):
         self.proj = nn.Linear(len(config.taps) * config.hidden_size, config.vocab_size)
         self.bigram = nn.Embedding(config.vocab_size, config.vocab_size)
         self.register_buffer("selected_token_ids", torch.arange(config.vocab_size), persistent=False)
-        self.aux_layer_ids, self.aux_hidden_state_stream = list(config.taps), config.aux_hidden_state_stream
+        self.aux_layer_ids, self.aux_stream = list(config.taps), config.aux_stream
         self._last: torch.Tensor | None = None
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

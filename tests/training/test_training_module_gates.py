@@ -44,9 +44,9 @@ def no_weight_reads(monkeypatch):
             "config.step_decay: set model.objective.step_decay",
         ),
         (
-            {"draft": {"aux_hidden_state_stream": "mixed"}},
+            {"draft": {"aux_stream": "mixed"}},
             ValueError,
-            "config.aux_hidden_state_stream: set model.target.aux_stream",
+            "config.aux_stream: set model.target.aux_stream",
         ),
         (
             {"draft": {"draft_vocab_size": 64}},
