@@ -190,9 +190,17 @@ class KimiK3Eagle3Draft(nn.Module):
     norm_class: type[nn.Module] = K3RMSNorm
 
     def __init__(
-        self, config: Eagle3DraftConfig, attention_backend: str = "eager", kv_cache: str = DEFAULT_KV_CACHE
+        self,
+        config: Eagle3DraftConfig,
+        attention_backend: str = "eager",
+        kv_cache: str = DEFAULT_KV_CACHE,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(activation_checkpointing, bool):
+            raise ValueError(f"activation_checkpointing must be a bool, got {activation_checkpointing!r}")
+        # as every family's drafter: recompute each step's activations in the backward (the TTT unroll reads it)
+        self.activation_checkpointing = activation_checkpointing
         config.validate()  # §3.6: the draft constructor refuses GQA / non-NoPE even for a hand-edited config
         if config.architecture != self.architecture:
             raise ValueError(
@@ -418,7 +426,10 @@ def register_draft_architecture(cls: type[KimiK3Eagle3Draft]) -> type[KimiK3Eagl
 
 
 def build_draft(
-    config: Eagle3DraftConfig, attention_backend: str = "eager", kv_cache: str = DEFAULT_KV_CACHE
+    config: Eagle3DraftConfig,
+    attention_backend: str = "eager",
+    kv_cache: str = DEFAULT_KV_CACHE,
+    activation_checkpointing: bool = False,
 ) -> KimiK3Eagle3Draft:
     """The draft ``config.architecture`` names (``"k3"``: :class:`KimiK3Eagle3Draft`; ``"deepseek_mla"``:
     :class:`~lightning_eagle.draft.deepseek_mla.DeepseekMLAEagle3Draft`), built in fp32 (or on the ambient device)."""
@@ -427,7 +438,7 @@ def build_draft(
         raise ValueError(
             f"unknown draft architecture {config.architecture!r}; choose one of {sorted(DRAFT_ARCHITECTURES)}"
         )
-    return cls(config, attention_backend=attention_backend, kv_cache=kv_cache)
+    return cls(config, attention_backend, kv_cache, activation_checkpointing)
 
 
 register_draft_architecture(KimiK3Eagle3Draft)

@@ -111,8 +111,8 @@ class Eagle3Module(DraftTrainingModule):
     def _build_draft(self, draft_vocab_size: int | None) -> KimiK3Eagle3Draft:
         self.draft_config = _draft_config(self.target_spec, self.draft_settings, draft_vocab_size)
         settings = self.draft_settings
-        return build_draft(self.draft_config, attention_backend=settings.attention_backend,
-                           kv_cache=settings.kv_cache)  # fmt: skip
+        return build_draft(self.draft_config, settings.attention_backend, settings.kv_cache,
+                           settings.activation_checkpointing)  # fmt: skip
 
     @override
     def configure_model(self, vocab_mapping=None) -> None:
@@ -152,9 +152,10 @@ class Eagle3Module(DraftTrainingModule):
         )  # fmt: skip
 
     def draft_step(self, draft, input_ids, hidden, attention_mask, cache) -> torch.Tensor:
-        """One TTT step of the draft; with ``model.draft.activation_checkpointing`` its activations are recomputed in
-        the backward (K steps' attention/MLP intermediates are never held at once)."""
-        if self.draft_settings.activation_checkpointing and torch.is_grad_enabled():
+        """One TTT step of the draft; a draft built with ``activation_checkpointing`` (``model.draft.
+        activation_checkpointing``, as every family's drafter) has its activations recomputed in the backward (K
+        steps' attention/MLP intermediates are never held at once)."""
+        if getattr(draft, "activation_checkpointing", False) and torch.is_grad_enabled():
             return checkpointed_draft_step(draft, input_ids, hidden, attention_mask, cache)
         return default_draft_step(draft, input_ids, hidden, attention_mask, cache)
 

@@ -52,3 +52,24 @@ def test_the_cache_grows_once_per_checkpointed_step(make_draft, make_batch):
         assert len(cache) == k + 1
     hidden.sum().backward()  # the recomputation appends to a replay, never to `cache`
     assert len(cache) == 3
+
+
+def test_the_setting_reaches_the_draft_as_in_every_family(target_dir, make_batch):
+    """``model.draft.activation_checkpointing`` is a drafter argument in both families: the module builds the EAGLE-3
+    draft with it and its step hook recomputes exactly when the draft says so (same loss, fewer saved bytes)."""
+    from eagle_helpers import eagle_module
+
+    results = {}
+    for flag in (False, True):
+        module = eagle_module(target=str(target_dir), aux_layer_ids=[1, 3, 5], draft_activation_checkpointing=flag)
+        draft = module._build_draft(None)
+        assert draft.activation_checkpointing is flag
+        torch.manual_seed(0)
+        for p in draft.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        results[flag] = _run(draft, make_batch(draft.config), module.draft_step)
+    (plain, plain_grads, plain_bytes), (ckpt, ckpt_grads, ckpt_bytes) = results[False], results[True]
+    torch.testing.assert_close(ckpt.loss, plain.loss)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(ckpt_grads[name], grad, msg=name)
+    assert ckpt_bytes < plain_bytes
