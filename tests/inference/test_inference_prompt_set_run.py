@@ -170,14 +170,18 @@ def test_a_dspark_export_is_measured_with_block_drafting(exported, tmp_path, cap
     draft_dir = export_dspark_draft(drafter, tmp_path / "dspark", dtype=torch.float32)
     out = tmp_path / "report"
     main(["acceptance", "--target", str(target_dir), "--draft", str(draft_dir), "--benchmarks", "humaneval",
-          "--max-prompts", "2", "--max-new-tokens", "6", "--num-draft-tokens", "3", "--temperature", "0",
+          "--max-prompts", "2", "--max-new-tokens", "6", "--temperature", "0",
           "--out", str(out), "--threads", "1"])  # fmt: skip
     record = json.loads((out / "acceptance.json").read_text())
-    assert record["draft_family"] == "dspark"
+    assert record["draft_family"] == "dspark" and "K 3," in record["setting"]  # no --num-draft-tokens: its block
     humaneval = record["sets"]["humaneval"]
     assert humaneval["prompts"] == 2 and len(humaneval["acceptance_per_position"]) == 3
     assert 1 <= humaneval["mean_acceptance_length"] <= 4
     assert "| humaneval |" in capsys.readouterr().out
+    # the chat report with the command's default flags (K, taps and the loop from the export's family)
+    main(["acceptance", "--target", str(target_dir), "--draft", str(draft_dir), "--num-prompts", "2",
+          "--max-new-tokens", "6", "--threads", "1"])  # fmt: skip
+    assert "mean acceptance length" in capsys.readouterr().out.lower()
 
 
 def test_draft_family_is_read_from_the_export(exported, tmp_path):
