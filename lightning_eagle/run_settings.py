@@ -250,8 +250,8 @@ def refuse_flat_model_keys(
 
 
 # What draft sequence parallelism does not combine with: (setting, whether it is set, why, what to use instead). The
-# one table the module's setup and the memory plan both read (through check_draft_sequence_parallel); the README's
-# promises name these rows.
+# one table the module's setup and the memory plan both read (through check_draft_sequence_parallel); the promises of
+# docs/long_context.md name these rows.
 SEQUENCE_PARALLEL_REFUSALS: tuple[tuple[str, Callable[[DraftSettings, str, str], bool], str], ...] = (
     ("model.draft.kv_cache='latent'", lambda draft, source, stage: draft.kv_cache == "latent",
      "the latent cache has one shared head, which Ulysses cannot split over the group; use "
