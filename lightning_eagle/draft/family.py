@@ -207,6 +207,31 @@ def checkpoint_family(
     return draft_family_named(checkpoint[keys.DRAFT_FAMILY], source)
 
 
+class LayerRecords(dict):
+    """One layer's records of the draft families, by family name (the decoding loops, the memory plan, the training
+    modules): each family registers its own next to its code; a lookup imports the family's modules first."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what  # what a record of this layer is, for the messages ("decoding loop")
+
+    def register(self, name: str, record):
+        """Add ``record`` under the family ``name`` (which must be new to this layer); returns it."""
+        if name in self:
+            raise ValueError(f"draft family {name!r} already registers a {self.what}")
+        self[name] = record
+        return record
+
+    def named(self, name: str, source: str):
+        """The record of the family ``name`` (the family's modules imported first); one it lacks is a
+        ``ValueError`` naming the family and the ones that have one."""
+        draft_family_named(name, source)
+        if name not in self:
+            raise ValueError(f"{source}: draft family {name!r} registers no {self.what} (families with one: "
+                             f"{', '.join(sorted(self))})")  # fmt: skip
+        return self[name]
+
+
 def checkpoint_draft_state(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The draft's tensors of a training checkpoint (``state_dict`` entries under ``draft.``, without the prefix)."""
     state = checkpoint.get("state_dict", {})

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_eagle.draft.family import draft_family_named, draft_family_of
+from lightning_eagle.draft.family import LayerRecords, draft_family_of
 
 
 @dataclass(frozen=True)
@@ -29,23 +29,17 @@ class DecodingFamily:
     drafter: Callable[[Any, Any, list[int] | None], tuple[Any, list[int], str]] | None = None
 
 
-DECODING_FAMILIES: dict[str, DecodingFamily] = {}
+DECODING_FAMILIES = LayerRecords("decoding loop")
 
 
 def register_decoding_family(family: DecodingFamily) -> DecodingFamily:
     """Add ``family`` (its name must be new)."""
-    if family.name in DECODING_FAMILIES:
-        raise ValueError(f"decoding of draft family {family.name!r} is already registered")
-    DECODING_FAMILIES[family.name] = family
-    return family
+    return DECODING_FAMILIES.register(family.name, family)
 
 
 def decoding_family(name: str, source: str = "the draft") -> DecodingFamily:
     """The decoding record of the family ``name`` (its modules loaded first)."""
-    draft_family_named(name, source)
-    if name not in DECODING_FAMILIES:
-        raise ValueError(f"{source}: draft family {name!r} registers no decoding loop")
-    return DECODING_FAMILIES[name]
+    return DECODING_FAMILIES.named(name, source)
 
 
 def family_of(draft: Any) -> DecodingFamily | None:

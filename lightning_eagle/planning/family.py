@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lightning_eagle.draft.family import draft_family_named
+from lightning_eagle.draft.family import LayerRecords
 
 if TYPE_CHECKING:
     from lightning_eagle.parallel.memory import TargetShapes
@@ -57,15 +57,12 @@ class PlanningFamily:
     census: Callable[[Inputs], StepCensus] | None = None
 
 
-PLANNING_FAMILIES: dict[str, PlanningFamily] = {}
+PLANNING_FAMILIES = LayerRecords("memory plan")
 
 
 def register_planning_family(family: PlanningFamily) -> PlanningFamily:
     """Add ``family`` (its name must be new)."""
-    if family.name in PLANNING_FAMILIES:
-        raise ValueError(f"planning family {family.name!r} is already registered")
-    PLANNING_FAMILIES[family.name] = family
-    return family
+    return PLANNING_FAMILIES.register(family.name, family)
 
 
 def unregister_planning_family(name: str) -> None:
@@ -76,8 +73,4 @@ def unregister_planning_family(name: str) -> None:
 def planning_family(name: str, source: str = "the memory plan") -> PlanningFamily:
     """The planning record of the draft family ``name`` (the family's modules imported first); a family that
     registers none is a ``ValueError`` naming it."""
-    draft_family_named(name, source)
-    if name not in PLANNING_FAMILIES:
-        raise ValueError(f"{source}: draft family {name!r} registers no memory plan (planned families: "
-                         f"{', '.join(PLANNING_FAMILIES)})")  # fmt: skip
-    return PLANNING_FAMILIES[name]
+    return PLANNING_FAMILIES.named(name, source)

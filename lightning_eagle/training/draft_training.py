@@ -34,7 +34,7 @@ from typing_extensions import override
 
 from lightning_eagle import checkpoint_keys as keys
 from lightning_eagle.checkpoint_io import AtomicCheckpointIO
-from lightning_eagle.draft.family import default_family, draft_family_named
+from lightning_eagle.draft.family import LayerRecords, default_family
 from lightning_eagle.parallel.frozen_target import parallelism_of
 from lightning_eagle.parallel.layout import DraftPlacement, draft_placement
 from lightning_eagle.run_settings import MODEL_GROUPS, as_settings
@@ -44,16 +44,12 @@ from lightning_eagle.training.resume import micro_batch_rows, rescale_epoch_prog
 from lightning_eagle.training.schedule import warmup_cosine
 from lightning_eagle.training.target_source import OnlineTarget, TargetSource
 
-TRAINING_FAMILIES: dict[str, type[DraftTrainingModule]] = {}
+TRAINING_FAMILIES = LayerRecords("LightningModule")
 
 
 def training_family(name: str, source: str = "the checkpoint") -> type[DraftTrainingModule]:
     """The LightningModule class registered for the draft family ``name`` (its records loaded first)."""
-    draft_family_named(name, source)
-    if name not in TRAINING_FAMILIES:
-        raise ValueError(f"{source}: draft family {name!r} registers no LightningModule (known: "
-                         f"{', '.join(TRAINING_FAMILIES)})")  # fmt: skip
-    return TRAINING_FAMILIES[name]
+    return TRAINING_FAMILIES.named(name, source)
 
 
 def module_class(class_path: str | None) -> type[DraftTrainingModule] | None:
