@@ -4,8 +4,9 @@ the default ids, and the one validation of ids with each family's rules as argum
 (parsing a draft config must not import transformers).
 
 Exports keep the field names their readers expect: the stream is ``aux_hidden_state_stream`` in an export's
-``config.json`` (`eagle3_training.md` §14), a DSpark export's taps vLLM's ``target_layer_ids``
-(:data:`EXPORT_FIELD_NAMES`); draft configs written before the names were shared are read by :func:`renamed_fields`.
+``config.json`` (`eagle3_training.md` §14, :data:`STREAM_EXPORT_KEY`), a DSpark export's taps vLLM's
+``target_layer_ids``; draft configs written before the names were shared (:data:`RENAMED_CONFIG_FIELDS`) are read by
+:func:`renamed_fields`.
 """
 
 from __future__ import annotations

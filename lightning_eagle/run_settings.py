@@ -293,8 +293,9 @@ def as_settings(group: str, value: Any, groups: Mapping[str, type] = MODEL_GROUP
     hyperparameters, a parsed config) made into one — and so checked."""
     kind = groups[group]
     if isinstance(value, Mapping):
-        if group == "draft":  # a checkpoint written before a key was renamed
-            value = {RENAMED_DRAFT_KEYS.get(k, k): v for k, v in value.items()}
+        if group == "draft":  # a checkpoint written before a key was renamed (a family's own field is never renamed)
+            fields = {f.name for f in dataclasses.fields(kind)}
+            value = {k if k in fields else RENAMED_DRAFT_KEYS.get(k, k): v for k, v in value.items()}
         return kind(**value)
     if not isinstance(value, kind):
         raise TypeError(f"model.{group} must be a {kind.__name__} (or a mapping of its fields), got {value!r}")

@@ -38,7 +38,7 @@ from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.draft.family import default_family, load_all_families
 from lightning_eagle.errors import DEBUG_ENV, RunError, debug_requested
 from lightning_eagle.run_settings import MODEL_GROUPS, refuse_flat_model_keys
-from lightning_eagle.training.draft_training import TRAINING_FAMILIES, DraftTrainingModule, module_class
+from lightning_eagle.training.draft_training import DraftTrainingModule, module_class, training_family
 from lightning_eagle.training.preemption import PreemptionCheckpoint
 from lightning_eagle.training.progress import StepProgressBar
 from lightning_eagle.training.run_folder import RunFolderGuard
@@ -126,16 +126,18 @@ def _has(callbacks: list, kind: type) -> bool:
 # What every run config describes: a draft family's module and any LightningDataModule (`data.class_path`). A config
 # naming no `model.class_path` is the default family's module (every config before a second family, parsed exactly as
 # then); one that names a module is parsed in subclass mode over the families' base class. Every registered family's
-# modules are imported first, so a config may name one by its class name alone.
-load_all_families()
+# modules are imported first (when a run is parsed, not when this module is), so a config may name one by its class
+# name alone, and a family module that does not import is one error line of the command.
 _DATA_CLASSES = {"datamodule_class": LightningDataModule, "subclass_mode_data": True}
-RUN_CLASSES = {"model_class": TRAINING_FAMILIES[default_family().name], **_DATA_CLASSES}
-FAMILY_RUN_CLASSES = {"model_class": DraftTrainingModule, "subclass_mode_model": True, **_DATA_CLASSES}
 
 
 def run_classes(words: list[str]) -> dict:
-    """The LightningCLI classes of the run ``words`` describe (:data:`RUN_CLASSES` unless they name a module)."""
-    return FAMILY_RUN_CLASSES if model_class_path(words) is not None else RUN_CLASSES
+    """The LightningCLI classes of the run ``words`` describe: the default family's module, or subclass mode over
+    every family's when they name a ``model.class_path``."""
+    load_all_families()
+    if model_class_path(words) is not None:
+        return {"model_class": DraftTrainingModule, "subclass_mode_model": True, **_DATA_CLASSES}
+    return {"model_class": training_family(default_family().name), **_DATA_CLASSES}
 
 
 def _config_files(words: list[str]) -> list[Path]:
@@ -183,7 +185,8 @@ def refuse_flat_settings(words: list[str]) -> None:
                 continue
             nested = {keys[0]: {keys[1]: None} if len(keys) > 1 else None}
             nested = {"class_path": class_path, "init_args": nested} if class_path else nested
-            if len(keys) == 1 and keys[0] in MODEL_GROUPS:  # a whole group: a mapping or a YAML file of one
+            groups = MODEL_GROUPS if kind is None else kind.settings_groups
+            if len(keys) == 1 and keys[0] in groups:  # a whole group: a mapping or a YAML file of one
                 value = word.split("=", 1)[1] if "=" in word else (words[i + 1] if i + 1 < len(words) else "")
                 if keys[0] == "target" and not (value.lstrip().startswith("{") or Path(value).is_file()):
                     refuse_flat_model_keys({"target": value}, "the command line", draft_settings)

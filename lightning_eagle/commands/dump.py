@@ -16,7 +16,7 @@ from lightning_eagle.features.dump import dump_features
 def main(words: list[str] | None = None, from_sys_argv: bool = False) -> None:
     parser = CommandParser(
         prog="lightning-eagle dump",
-        description="Run the frozen target once over the config's data and store its EAGLE-3 features "
+        description="Run the frozen target once over the config's data and store its tapped features "
         "(then train with model.target.source: features, e.g. configs/quickstart_offline.yaml). Other options "
         "(--config, --trainer.*, --model.*, --data.*) are read as for fit; --model.target.token_chunk runs the "
         "target forward in token segments here too.",

@@ -1,4 +1,4 @@
-"""Chat data for EAGLE-3 on Kimi K3: tokenizer, K3/K2 rendering, loss-mask recovery, vocab map, DataModule.
+"""Chat data for K3 drafts (either family): tokenizer, K3/K2 rendering, loss-mask recovery, vocab map, DataModule.
 
 ``import lightning_eagle.data`` stays light (no Lightning import); ``ChatDataModule`` is loaded on first access.
 """

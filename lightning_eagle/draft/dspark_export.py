@@ -232,7 +232,8 @@ register_draft_family(DraftFamily(
     recognizes=_recognizes,
     load_export=lambda folder, target, dtype, device: load_dspark_export(folder, dtype).to(device),
     export=_export, serve_lines=lambda config_json, folder: [dspark_serving_command(config_json, folder)],
-    taps=lambda config: list(config.aux_layer_ids), legacy_config_keys=("dspark_draft_config",),
-    layers=("lightning_eagle.training.dspark_module", "lightning_eagle.inference.block_speculative",
-            "lightning_eagle.planning.dspark_plan"),
+    aux_layer_ids=lambda config: list(config.aux_layer_ids), legacy_config_keys=("dspark_draft_config",),
+    layers={"training": "lightning_eagle.training.dspark_module",
+            "decoding": "lightning_eagle.inference.block_speculative",
+            "planning": "lightning_eagle.planning.dspark_plan"},
 ))  # fmt: skip

@@ -8,10 +8,11 @@ one-based aux ids). The engines feed that draft the target's *prefix* aux stream
 ``aux_stream: prefix`` is exported in the engine format.
 
 Sources: a :class:`KimiK3Eagle3Draft`, anything with a ``.draft`` attribute (the Lightning module), a ``torch.save``'d
-checkpoint file (``{"state_dict": {"draft.…": …}, CHECKPOINT_CONFIG_KEY: config dict, …}``), or a DCP checkpoint
-folder (converted single-process with ``dcp_to_torch_save``, the way ``lightning_notes.md`` §7 verified, with the
-run's record from Lightning's ``meta.pt``: :func:`~lightning_eagle.checkpoint_io.load_dcp_checkpoint`). The write is
-atomic: everything goes to a temporary sibling folder that is renamed into place only after every check passed.
+checkpoint file (``{"state_dict": {"draft.…": …}, "draft_family": "eagle3", "draft_config": config dict, …}``), or a
+DCP checkpoint folder (converted single-process with ``dcp_to_torch_save``, the way ``lightning_notes.md`` §7
+verified, with the run's record from Lightning's ``meta.pt``:
+:func:`~lightning_eagle.checkpoint_io.load_dcp_checkpoint`). The write is atomic: everything goes to a temporary
+sibling folder that is renamed into place only after every check passed.
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ def _atomic_write(out_dir: Path, tensors: dict[str, torch.Tensor], config_json: 
 def _resolve_source(source: Any, config: Eagle3DraftConfig | None) -> tuple[dict, Eagle3DraftConfig, dict | None]:
     """``(draft state, config, training settings or None)`` of a draft, a checkpoint dict, file or DCP folder."""
     draft = getattr(source, "draft", source)
-    if isinstance(draft, KimiK3Eagle3Draft):
-        return dict(draft.state_dict()), config or draft.config, None
+    if isinstance(draft, KimiK3Eagle3Draft):  # a training module says how it trained (the export's default K)
+        training = source.training_record() if hasattr(source, "training_record") else None
+        return dict(draft.state_dict()), config or draft.config, training
     if isinstance(source, dict):
         return _from_checkpoint_dict(source, config)
     path = Path(source)
@@ -171,8 +173,8 @@ def _export(source: Any, out_dir, *, dtype=None, overwrite=False, include_embedd
 register_draft_family(DraftFamily(
     name=EAGLE3, config_type=Eagle3DraftConfig, is_draft=lambda draft: isinstance(draft, KimiK3Eagle3Draft),
     recognizes=_recognizes, load_export=_load_export, export=_export, serve_lines=fmt.serving_instructions,
-    taps=lambda config: getattr(config, "aux_layer_ids", None), legacy_config_keys=("eagle_draft_config",),
-    layers=("lightning_eagle.training.module", "lightning_eagle.inference.eagle3_decoding",
-            "lightning_eagle.planning.eagle3_plan"), default=True,
+    aux_layer_ids=lambda config: getattr(config, "aux_layer_ids", None), legacy_config_keys=("eagle_draft_config",),
+    layers={"training": "lightning_eagle.training.module", "decoding": "lightning_eagle.inference.eagle3_decoding",
+            "planning": "lightning_eagle.planning.eagle3_plan"}, default=True,
     resumable_fields=("draft_vocab_size", *TRAINING_SETTINGS),
 ))  # fmt: skip

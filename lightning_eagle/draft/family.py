@@ -4,8 +4,9 @@ A family is data plus one record per layer. This layer's record, :class:`DraftFa
 export say about the family: how its exports are recognised and loaded, how a draft (a trained module or a training
 checkpoint) is exported and served, and which target layers it taps. Its other layers register their own records
 by the family's name (the LightningModule: :class:`~lightning_eagle.training.draft_training.DraftTrainingModule`'s
-``family``; decoding: :mod:`lightning_eagle.inference.draft_families`; the memory plan:
-:mod:`lightning_eagle.planning.family`), in the modules the record lists in ``layers`` (imported on first lookup).
+``family``; decoding: :mod:`lightning_eagle.inference.decoding_family`; the memory plan:
+:mod:`lightning_eagle.planning.family`), in the modules the record lists in ``layers`` by layer name (a module is
+imported when its layer first looks the family up: the one sanctioned upward reference, by name, of a plug-in).
 
 Shared code looks a family up — by name (a checkpoint's :data:`~lightning_eagle.checkpoint_keys.DRAFT_FAMILY`), by a
 draft object, by an export's ``config.json`` — and never names one. A new family registers its record with
@@ -21,7 +22,7 @@ import importlib
 import importlib.metadata
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,11 @@ class DraftFamily:
     ``config.json`` is this family's. ``load_export(folder, target, dtype, device)``: the draft of an export, ready
     to decode against ``target``. ``export(source, out_dir, *, dtype, overwrite, include_embeddings)``: ``source`` (a
     draft, a module holding one as ``.draft``, or a training checkpoint dict) written in the serving layout,
-    atomically; returns the folder. ``serve_lines(config_json, folder)``: how to serve that export. ``taps(config)``:
-    the 0-based target layers the draft reads. ``legacy_config_keys``: where checkpoints written before the shared
-    :data:`~lightning_eagle.checkpoint_keys.DRAFT_CONFIG` key held this family's config. ``layers``: the modules that
-    register the family's records in the layers above this one. ``default``: the family of a run config that names
+    atomically; returns the folder. ``serve_lines(config_json, folder)``: how to serve that export.
+    ``aux_layer_ids(config)``: the 0-based target layers the draft reads (its taps). ``legacy_config_keys``: where
+    checkpoints written before the shared :data:`~lightning_eagle.checkpoint_keys.DRAFT_CONFIG` key held this
+    family's config. ``layers``: layer name (``"training"``, ``"decoding"``, ``"planning"``) → the module that
+    registers the family's record there. ``default``: the family of a run config that names
     no ``model.class_path`` (one family is). ``resumable_fields``: config fields a resume may see differ (set by the
     data or the training settings, or held by checkpoints of an older layout), never an architecture change.
     """
@@ -55,9 +57,9 @@ class DraftFamily:
     load_export: Callable[[Path, Any, torch.dtype, str], Any]
     export: Callable[..., Path]
     serve_lines: Callable[[dict[str, Any], str], list[str]]
-    taps: Callable[[Any], list[int] | None]
+    aux_layer_ids: Callable[[Any], list[int] | None]
     legacy_config_keys: tuple[str, ...] = ()
-    layers: tuple[str, ...] = field(default=())
+    layers: Mapping[str, str] = field(default_factory=dict)
     default: bool = False
     resumable_fields: tuple[str, ...] = ()
 
@@ -82,30 +84,36 @@ def unregister_draft_family(name: str) -> None:
     DRAFT_FAMILIES.pop(name, None)
 
 
-def load_family_layers(family: DraftFamily) -> DraftFamily:
-    """Import the modules that register ``family``'s records in the layers above this one; returns ``family``."""
-    for module in family.layers:
-        importlib.import_module(module)
+def load_family_layers(family: DraftFamily, layer: str | None = None) -> DraftFamily:
+    """Import the module that registers ``family``'s record in ``layer`` (None: every layer); returns ``family``."""
+    for name, module in family.layers.items():
+        if layer is None or name == layer:
+            importlib.import_module(module)
     return family
 
 
 def default_family() -> DraftFamily:
     """The family a run config that names no ``model.class_path`` trains (its upper layers loaded)."""
-    (family,) = [f for f in DRAFT_FAMILIES.values() if f.default]
-    return load_family_layers(family)
+    defaults = [f for f in DRAFT_FAMILIES.values() if f.default]
+    if len(defaults) != 1:
+        raise ValueError(
+            f"{len(defaults)} registered draft families are the default (one must be: the family of a run config that "
+            f"names no model.class_path); registered: {', '.join(sorted(DRAFT_FAMILIES))}"
+        )
+    return defaults[0]
 
 
 def load_plugin_families() -> None:
     """Import the family modules of :data:`FAMILY_MODULES_ENV` and of installed packages' :data:`FAMILY_ENTRY_POINTS`
-    (each registers its records when imported); a module that does not import is an ``ImportError`` naming it."""
+    (each registers its records when imported); a module that does not import is a ``ValueError`` naming it."""
     names = [n.strip() for n in os.environ.get(FAMILY_MODULES_ENV, "").split(",") if n.strip()]
     names += [entry.value for entry in importlib.metadata.entry_points(group=FAMILY_ENTRY_POINTS)]
     for name in names:
         try:
             importlib.import_module(name.split(":")[0])
-        except ImportError as err:
-            raise ImportError(f"draft family module {name!r} (from {FAMILY_MODULES_ENV} or the "
-                              f"{FAMILY_ENTRY_POINTS!r} entry points) does not import: {err}") from err  # fmt: skip
+        except ImportError as err:  # the user's setting names it: one error line, not a traceback
+            raise ValueError(f"draft family module {name!r} (from {FAMILY_MODULES_ENV} or the "
+                             f"{FAMILY_ENTRY_POINTS!r} entry points) does not import: {err}") from err  # fmt: skip
 
 
 def load_all_families() -> dict[str, DraftFamily]:
@@ -126,13 +134,15 @@ def draft_family_named(name: object, source: str = "the checkpoint") -> DraftFam
             f"{source}: draft family {name!r} is not registered (known: {', '.join(sorted(DRAFT_FAMILIES))}); name "
             f"the module that registers it in {FAMILY_MODULES_ENV} or install the package that declares it"
         )
-    return load_family_layers(DRAFT_FAMILIES[name])
+    return DRAFT_FAMILIES[name]
 
 
 def draft_family_of(draft: Any) -> DraftFamily | None:
-    """The family of a built draft; None when no family claims it."""
+    """The family of a built draft; None when no family claims it (several claiming one is a ``ValueError``)."""
     matches = [f for f in DRAFT_FAMILIES.values() if f.is_draft(draft)]
-    return load_family_layers(matches[0]) if len(matches) == 1 else None
+    if len(matches) > 1:
+        raise ValueError(f"{type(draft).__name__} is claimed by several draft families: {[f.name for f in matches]}")
+    return matches[0] if matches else None
 
 
 def family_of_draft(draft: Any, what: str = "the draft") -> DraftFamily:
@@ -172,7 +182,7 @@ def export_family(config_json: dict[str, Any], source: str = "config.json") -> D
             f"{source}: {found}{')' if matches else ''} recognise architectures={config_json.get('architectures')!r}; "
             f"known families: {', '.join(sorted(DRAFT_FAMILIES))}"
         )
-    return load_family_layers(matches[0])
+    return matches[0]
 
 
 def load_export(folder: str | Path, target, dtype: torch.dtype = torch.float32, device: str = "cpu"):
@@ -211,8 +221,9 @@ class LayerRecords(dict):
     """One layer's records of the draft families, by family name (the decoding loops, the memory plan, the training
     modules): each family registers its own next to its code; a lookup imports the family's modules first."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, layer: str, what: str) -> None:
         super().__init__()
+        self.layer = layer  # the key of DraftFamily.layers naming the module that registers a family's record here
         self.what = what  # what a record of this layer is, for the messages ("decoding loop")
 
     def register(self, name: str, record):
@@ -225,7 +236,7 @@ class LayerRecords(dict):
     def named(self, name: str, source: str):
         """The record of the family ``name`` (the family's modules imported first); one it lacks is a
         ``ValueError`` naming the family and the ones that have one."""
-        draft_family_named(name, source)
+        load_family_layers(draft_family_named(name, source), self.layer)
         if name not in self:
             raise ValueError(f"{source}: draft family {name!r} registers no {self.what} (families with one: "
                              f"{', '.join(sorted(self))})")  # fmt: skip

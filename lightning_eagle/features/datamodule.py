@@ -1,4 +1,4 @@
-"""``HiddenStateDataModule``: batches of dumped target features (``cli.py dump``) for an ``Eagle3Module`` with
+"""``HiddenStateDataModule``: batches of dumped target features (``cli.py dump``) for a draft-training module with
 ``model.target.source: features`` — the same rows, split, shuffle order, padding and resumable position as the
 online run's ``ChatDataModule``, with ``aux_hidden_states`` and ``hidden_states`` added to each batch (no target
 forward)."""

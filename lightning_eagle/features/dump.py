@@ -1,4 +1,4 @@
-"""Dump the frozen target's EAGLE-3 features once (``python cli.py dump --config …``), as Lightning ``predict``:
+"""Dump the frozen target's features (taps, final hidden) once (``python cli.py dump --config …``), as ``predict``:
 
 1. **Plan**: every row of the data module — its training split in order, then its validation rows — is numbered;
    shards hold consecutive rows, at most ``shard_rows`` (R) of them and, with ``shard_tokens``, at most that many
@@ -104,10 +104,10 @@ class _Batches(torch.utils.data.Dataset):
 class FeatureDumper(pl.LightningModule):
     """The frozen target (any supported layout) whose ``predict_step`` returns each row's features, unpadded.
 
-    Built from the run's :class:`~lightning_eagle.k3.target_spec.TargetSpec` (an ``Eagle3Module``'s ``target_spec``:
+    Built from the run's :class:`~lightning_eagle.k3.target_spec.TargetSpec` (a draft-training module's ``target_spec``:
     its checkpoint, taps, stream and dtypes) and the data module whose rows are dumped. ``shard_rows`` /
     ``shard_tokens``: a shard's row / token budget (None: rows only). ``target_token_chunk``: the target forward in
-    token segments of this many tokens (as ``Eagle3Module``'s setting; None: unchunked).
+    token segments of this many tokens (as the module's ``model.target.token_chunk``; None: unchunked).
     """
 
     def __init__(
@@ -361,8 +361,9 @@ def _chunks(items: list[int], size: int) -> list[list[int]]:
 def dump_features(target_spec: TargetSpec, datamodule, out_dir, trainer: pl.Trainer, *, dtype: str = "bfloat16",
                   hidden_states: str = "prenorm", shard_rows: int = 256, shard_tokens: int | None = None,
                   target_token_chunk: int | None = None) -> Path:  # fmt: skip
-    """Dump ``datamodule``'s rows through the target ``target_spec`` names (e.g. ``Eagle3Module(...).target_spec``)
-    with ``trainer``'s layout; what ``cli.py dump`` runs. Returns the features folder (``manifest.json`` written).
+    """Dump ``datamodule``'s rows through the target ``target_spec`` names (e.g. a draft-training module's
+    ``target_spec``) with ``trainer``'s layout; what ``cli.py dump`` runs. Returns the features folder
+    (``manifest.json`` written).
     ``shard_rows`` / ``shard_tokens`` and ``target_token_chunk``: see :class:`FeatureDumper`."""
     if not isinstance(target_spec, TargetSpec):
         raise TypeError(f"dump_features takes a TargetSpec (e.g. module.target_spec), got {type(target_spec).__name__}")

@@ -95,7 +95,8 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
 
 
 def target_fingerprint(spec: TargetSpec) -> dict[str, Any]:
-    """The spec's config hash (the same 16 hex digits ``Eagle3Module`` checks on resume) and the weight files' sizes."""
+    """The spec's config hash (the 16 hex digits a draft-training module checks on resume) and the weight files'
+    sizes."""
     files = {p.name: p.stat().st_size for p in sorted(spec.path.glob("*.safetensors"))}
     return {"config_sha256": spec.fingerprint, "weight_files": files}
 

@@ -22,7 +22,8 @@ _EXPORTS = {
     "block_speculative_generate": "lightning_eagle.inference.block_speculative",
     "DecodingSettings": "lightning_eagle.inference.decoding_settings",
     "resolve_inference_aux": "lightning_eagle.inference.aux_ids",
-    "DraftProposal": "lightning_eagle.inference.draft_runner",
+    "DraftProposal": "lightning_eagle.inference.drafter",
+    "Drafter": "lightning_eagle.inference.drafter",
     "DraftRunner": "lightning_eagle.inference.draft_runner",
     "IncrementalTarget": "lightning_eagle.inference.incremental_target",
     "TargetStep": "lightning_eagle.inference.incremental_target",
@@ -41,7 +42,8 @@ if TYPE_CHECKING:  # pragma: no cover — what IDEs and type checkers see; keep 
     from lightning_eagle.inference.block_speculative import block_speculative_generate
     from lightning_eagle.inference.callback import AcceptanceCallback
     from lightning_eagle.inference.decoding_settings import DecodingSettings
-    from lightning_eagle.inference.draft_runner import DraftProposal, DraftRunner
+    from lightning_eagle.inference.draft_runner import DraftRunner
+    from lightning_eagle.inference.drafter import Drafter, DraftProposal
     from lightning_eagle.inference.incremental_target import IncrementalTarget, TargetStep
     from lightning_eagle.inference.plain import PlainOutput, plain_generate
     from lightning_eagle.inference.prompt_set_run import evaluate_prompt_set

@@ -17,12 +17,16 @@ from __future__ import annotations
 from lightning_eagle.aux_layers import resolve_aux_layer_ids, validate_aux_layer_ids
 
 
-def resolve_inference_aux(target, draft_config, aux_layer_ids: list[int] | None = None) -> tuple[list[int], str]:
-    """``(aux_layer_ids, aux_stream)`` for running ``draft_config``'s draft on ``target``; raises ``ValueError``."""
+def resolve_inference_aux(
+    target, draft_config, aux_layer_ids: list[int] | None = None, unrecorded_count: int | None = None
+) -> tuple[list[int], str]:
+    """``(aux_layer_ids, aux_stream)`` for running ``draft_config``'s draft on ``target``; raises ``ValueError``.
+    ``unrecorded_count``: the number of taps of a draft that records none (a family's reference imports), which then
+    reads the target's default taps; None: such a draft must be given ``aux_layer_ids``."""
     L = target.config.num_hidden_layers
     stream = getattr(draft_config, "aux_stream", None) or "prefix"
     recorded = getattr(draft_config, "aux_layer_ids", None)
-    count = 3 if recorded is None else len(recorded)  # the draft's own number of taps (a reference export records none)
+    count = unrecorded_count if recorded is None else len(recorded)  # the draft's own number of taps
     if aux_layer_ids is not None:
         return validate_aux_layer_ids(list(aux_layer_ids), L, count), stream
     if recorded is not None:
@@ -36,6 +40,10 @@ def resolve_inference_aux(target, draft_config, aux_layer_ids: list[int] | None 
             return validate_aux_layer_ids(list(recorded), L, count), stream
         except ValueError as err:
             raise ValueError(f"the draft's recorded aux_layer_ids do not fit this target: {err}") from None
+    if unrecorded_count is None:
+        raise ValueError(
+            "the drafter records no aux_layer_ids; pass aux_layer_ids (the target layers it was trained on)"
+        )
     try:
         return resolve_aux_layer_ids(None, L), stream
     except ValueError as err:

@@ -66,7 +66,7 @@ class UnrollsDraftSteps(Protocol):
 
 @runtime_checkable
 class TrainsADraft(Protocol):
-    """What the callback reads of the training module (``Eagle3Module`` has it): the draft being trained, the frozen
+    """What the callback reads of the training module (every family's has it): the draft being trained, the frozen
     target when it runs online (None with dumped features: the callback then loads its own), the draft's config
     and this rank's expert slice (None = all experts: then only rank 0 needs to decode)."""
 
@@ -184,7 +184,9 @@ class AcceptanceCallback(pl.Callback):
         if trainer.sanity_checking or trainer.current_epoch % self.every_n_epochs:
             return
         if not isinstance(pl_module, TrainsADraft):
-            raise TypeError(f"AcceptanceCallback needs a module that trains a draft (Eagle3Module), got {pl_module}")
+            raise TypeError(
+                f"AcceptanceCallback needs a module that trains a draft (a DraftTrainingModule), got {pl_module}"
+            )
         target, draft = pl_module.target, pl_module.draft
         if target is None and draft is not None and self.target_path is not None:
             target = self._own_target(next(draft.parameters()).device)

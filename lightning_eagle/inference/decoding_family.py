@@ -29,7 +29,7 @@ class DecodingFamily:
     drafter: Callable[[Any, Any, list[int] | None], tuple[Any, list[int], str]] | None = None
 
 
-DECODING_FAMILIES = LayerRecords("decoding loop")
+DECODING_FAMILIES = LayerRecords("decoding", "decoding loop")
 
 
 def register_decoding_family(family: DecodingFamily) -> DecodingFamily:

@@ -29,7 +29,7 @@ from lightning_eagle.inference.decoding_family import default_num_draft_tokens
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from lightning_eagle.inference.plain import PlainOutput, plain_generate
 from lightning_eagle.inference.sampling import check_top_p
-from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS, SpeculativeOutput
+from lightning_eagle.inference.speculative import SpeculativeOutput
 from lightning_eagle.settings import check_positive_int_or_none, check_settings
 
 
@@ -47,7 +47,7 @@ class DecodingSettings:
     """
 
     max_new_tokens: int = 64
-    num_draft_tokens: int | None = DEFAULT_NUM_DRAFT_TOKENS
+    num_draft_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
@@ -117,7 +117,7 @@ def check_decoding(decoding: object, owner: str) -> DecodingSettings:
     return decoding
 
 
-# evaluate_acceptance's decoding when none is given (the field defaults: greedy, K 7, 64 new tokens)
+# evaluate_acceptance's decoding when none is given (the field defaults: greedy, the family's own K, 64 new tokens)
 DEFAULT_DECODING = DecodingSettings()
 # The draft cards' sampling (temperature 1, top-p 0.95): what a standard prompt set is decoded with by default.
 CARD_DECODING = DecodingSettings(temperature=1.0, top_p=0.95)

@@ -26,55 +26,22 @@ position t (the target position of its aux features, as in the engines' draft-ex
 last slot n−1 at n−1+j — the TTT convention ``t + k`` (:mod:`lightning_eagle.draft.deepseek_mla`). Keys are cached
 rotated, so a cached key never needs its position again.
 
-Extension point: any object with ``reset()``, ``extend(aux, next_ids)`` and ``propose(num_tokens, temperature,
-generator, top_p)`` returning a :class:`DraftProposal` (``probs``: the law each token was drawn from, its top-p
-nucleus included) can drive :func:`~lightning_eagle.inference.speculative_generate` (e.g. a tree drafter would
-return the best chain of its tree, or a future tree-verification loop would consume a richer proposal).
+Extension point: any :class:`~lightning_eagle.inference.drafter.Drafter` (``reset()``, ``extend(aux, next_ids)``,
+``propose(...)`` returning a :class:`~lightning_eagle.inference.drafter.DraftProposal`) can drive
+:func:`~lightning_eagle.inference.speculative_generate`; this runner is the EAGLE-3 draft's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from lightning_eagle.backends import BackendSetting
 from lightning_eagle.draft.block_attention import accumulate_dtype
+from lightning_eagle.inference.drafter import DraftProposal
 from lightning_eagle.inference.sampling import nucleus
 from lightning_eagle.ops.mla import MLA_BACKEND, MLA_CORES
-
-
-@dataclass
-class DraftProposal:
-    """One chain of proposals for a batch of one row.
-
-    ``tokens`` are *target* ids ``[K]`` (draft id + ``d2t[draft id]``); ``probs`` the draft's sampling distributions
-    ``[K, N_d]`` over the draft vocabulary (None at temperature 0); ``draft_ids`` ``[K]``; ``logits`` ``[K, N_d]``.
-    """
-
-    tokens: torch.Tensor
-    draft_ids: torch.Tensor
-    probs: torch.Tensor | None
-    logits: torch.Tensor
-
-
-class Drafter(Protocol):
-    """What :func:`~lightning_eagle.inference.speculative_generate` needs from a drafter. ``selected_token_ids``
-    (target id of each draft-vocabulary row) is used at temperature > 0; ``aux_layer_ids`` /
-    ``aux_stream`` attributes (None allowed) say which target features ``extend`` expects."""
-
-    selected_token_ids: torch.Tensor
-
-    def reset(self) -> None: ...
-
-    def extend(self, aux_hidden_states: torch.Tensor, next_ids: torch.Tensor) -> None: ...
-
-    def propose(
-        self, num_tokens: int, temperature: float, generator: torch.Generator | None, top_p: float = 1.0
-    ) -> DraftProposal: ...
-
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_eagle.draft.config import NUM_AUX_HIDDEN_STATES
 from lightning_eagle.draft.export import EAGLE3
 from lightning_eagle.inference.aux_ids import resolve_inference_aux
 from lightning_eagle.inference.decoding_family import DecodingFamily, register_decoding_family
@@ -36,7 +37,8 @@ def draft_runner(target, draft, aux_layer_ids: list[int] | None):
     """``(DraftRunner, aux_layer_ids, aux_stream)`` of an EAGLE-3 draft model on ``target`` (checked first; a draft
     loaded without its frozen embedding gets the target's)."""
     check_draft_fits_target(target, draft)
-    ids, stream = resolve_inference_aux(target, draft.config, aux_layer_ids)
+    # a reference export records no taps: the target's default three (eagle3_training.md §6.1)
+    ids, stream = resolve_inference_aux(target, draft.config, aux_layer_ids, unrecorded_count=NUM_AUX_HIDDEN_STATES)
     return DraftRunner(draft, target), ids, stream
 
 

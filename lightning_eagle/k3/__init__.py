@@ -1,4 +1,4 @@
-"""The frozen Kimi K3 target: config, modules, checkpoint loader and EAGLE-3 capture."""
+"""The frozen Kimi K3 target: config, modules, checkpoint loader and the capture of a draft's taps."""
 
 from lightning_eagle.aux_layers import resolve_aux_layer_ids, validate_aux_layer_ids
 from lightning_eagle.k3.capture import CaptureOutput

@@ -1,4 +1,4 @@
-"""EAGLE-3 hidden-state capture from the K3 target.
+"""Capture of a draft's tapped hidden states (either family) from the K3 target.
 
 Ids are 0-based decoder-layer outputs. Under AttnRes a layer's output is its raw in-block prefix (``"prefix"``
 stream, the default — what the reference hook and the public K3 drafts use); ``"mixed"`` taps what the next layer's

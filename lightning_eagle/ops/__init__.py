@@ -1,4 +1,4 @@
-"""Small numeric building blocks shared by the K3 target and the EAGLE-3 draft."""
+"""Small numeric building blocks shared by the K3 target and the drafts."""
 
 from lightning_eagle.ops.norm import K3RMSNorm, rms_norm
 from lightning_eagle.ops.situ import SituMLP, situ_and_mul

@@ -9,9 +9,9 @@ moment it can be judged and always before any target weight is read.
 
 The contract, both ways:
 
-* ``TargetParallelism``: what ``Eagle3Module`` / ``FeatureDumper`` ask of the strategy. ``ExpertParallelStrategy``
-  implements it; any other strategy gets :class:`ReplicatedTarget` (every rank loads the whole target) through
-  :func:`target_parallelism`.
+* ``TargetParallelism``: what a draft-training module / ``FeatureDumper`` ask of the strategy.
+  ``ExpertParallelStrategy`` implements it; any other strategy gets :class:`ReplicatedTarget` (every rank loads the
+  whole target) through :func:`target_parallelism`.
 * ``HasTargetSpec``: what the strategy asks of the module before any worker starts — its already validated
   :class:`~lightning_eagle.k3.target_spec.TargetSpec`.
 """
@@ -233,7 +233,7 @@ DRAFT_PLACEMENT_MEMBERS = ("draft_sequence_parallel_size", "draft_sequence_paral
 
 
 class DraftPlacement(Protocol):
-    """How a strategy places the draft; what ``Eagle3Module`` asks of ``trainer.strategy`` for it (draft sequence
+    """How a strategy places the draft; what a draft-training module asks of ``trainer.strategy`` for it (draft sequence
     parallelism and FSDP2 sharding). ``ExpertParallelStrategy`` implements it; any other strategy gets
     :class:`SingleDraftGroup` through :func:`draft_placement`."""
 

@@ -29,7 +29,7 @@ def dspark_outputs_bytes(inputs: PlanInputs) -> int:
     """The capture's concatenated taps ``[B,T,n_taps·H_t]`` and post-norm final hidden ``[B,T,H_t]``, alive through
     the whole step."""
     N, H_t = inputs.batch_size * inputs.seq_len, inputs.target.hidden_size
-    return (len(inputs.taps) + 1) * N * H_t * inputs.target_dtype.itemsize
+    return (len(inputs.aux_layer_ids) + 1) * N * H_t * inputs.target_dtype.itemsize
 
 
 def _head_bytes(inputs: PlanInputs, target: TargetShapes) -> int:
@@ -48,7 +48,7 @@ def dspark_terms(inputs: PlanInputs, target: TargetShapes, draft: DraftShapes) -
         why = "gathered from the FSDP2 shards" if inputs.dense_sharded else f"cast to {dtype_name(s)}"
         terms.append(Term(RESIDENT, "target embedding, whole (block inputs)", V * H_t * s.itemsize, why))
     outputs = Term("", "target outputs (taps, final hidden)", dspark_outputs_bytes(inputs),
-                   f"{len(inputs.taps)} taps + final hidden, [B,T,·] {dtype_name(st)}")  # fmt: skip
+                   f"{len(inputs.aux_layer_ids)} taps + final hidden, [B,T,·] {dtype_name(st)}")  # fmt: skip
     teacher, blocks = DSPARK_PHASES[1], DSPARK_PHASES[2]
     head = _head_bytes(inputs, target)
     terms.append(Term(teacher, outputs.name, outputs.nbytes, outputs.note))

@@ -57,7 +57,7 @@ class PlanningFamily:
     census: Callable[[Inputs], StepCensus] | None = None
 
 
-PLANNING_FAMILIES = LayerRecords("memory plan")
+PLANNING_FAMILIES = LayerRecords("planning", "memory plan")
 
 
 def register_planning_family(family: PlanningFamily) -> PlanningFamily:

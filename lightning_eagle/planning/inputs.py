@@ -139,11 +139,11 @@ class PlanInputs:
         return -(-self.seq_len // self.draft_sp)
 
     @property
-    def taps(self) -> tuple[int, ...]:
+    def aux_layer_ids(self) -> tuple[int, ...]:
         """The target layers the draft reads: ``model.target.aux_layer_ids``, else the draft config's own."""
         ids = self.target_settings.aux_layer_ids
         if ids is None:
-            ids = draft_family_named(self.family).taps(self.draft)
+            ids = draft_family_named(self.family).aux_layer_ids(self.draft)
         return tuple(ids or ())
 
     @classmethod

@@ -220,7 +220,7 @@ def target_forward_peaks(inputs: PlanInputs, shapes: TargetShapes) -> list[Layer
         def in_bank(t: int) -> bool:
             return bs is not None and (t + 1) % bs == 0 and t + 1 < L
 
-        return sum(1 for t in inputs.taps if t < i and not in_bank(t))
+        return sum(1 for t in inputs.aux_layer_ids if t < i and not in_bank(t))
 
     peaks = [LayerPeak(-1, row, gathered(0), 0, "embedding")]
     working_sets: dict[tuple[bool, bool, int], tuple[int, str, str]] = {}  # by layer kind and bank size
@@ -234,7 +234,9 @@ def target_forward_peaks(inputs: PlanInputs, shapes: TargetShapes) -> list[Layer
     # After the last layer: the output mixer over the whole bank, the final norm, the taps stacked into [B,T,3H].
     final_stream = row * (1 + bank_after(L - 1) + taps_held(L)) + mask
     final_ws = (attn_res_mix_ws(N, H, bank_after(L - 1)) if bs is not None else 0) + 2 * row
-    peaks.append(LayerPeak(L, final_stream, 0, max(final_ws, len(inputs.taps) * row + row), "output mixer + taps"))
+    peaks.append(
+        LayerPeak(L, final_stream, 0, max(final_ws, len(inputs.aux_layer_ids) * row + row), "output mixer + taps")
+    )
     return peaks
 
 
@@ -303,7 +305,7 @@ def chunked_stream_entries(inputs: PlanInputs, i: int) -> int:
     ``ℓ ≤ i``, ``ℓ % block_size == 0``) and the ``prefix`` aux taps captured so far (outputs of layers ``t < i``) —
     one tensor counted once when it is several of these."""
     bs = inputs.target.attn_res_block_size
-    outputs = {i - 1} | {t for t in inputs.taps if t < i}
+    outputs = {i - 1} | {t for t in inputs.aux_layer_ids if t < i}
     if bs is not None:
         outputs |= {commit - 1 for commit in range(0, min(i, inputs.target.num_hidden_layers - 1) + 1, bs)}
     return len(outputs)
@@ -407,7 +409,7 @@ def chunked_forward_peaks(inputs: PlanInputs, shapes: TargetShapes) -> list[Laye
     # No AttnRes: the final norm alone (fp32 copy beside its squares, then the normalised fp32 rows).
     mixer = mix_peak(N, H, bank) if bs is not None else N * H * (2 * FP32 + (FP32 if s != FP32 else 0))
     segment = full + N * H * s + mixer if len(bounds) > 1 else max(mixer, full + N * H * s)
-    taps = len(set(inputs.taps))
+    taps = len(set(inputs.aux_layer_ids))
     stacked = (2 * taps + 1) * full - full * chunked_stream_entries(inputs, L)
     peaks.append(
         LayerPeak(L, full * chunked_stream_entries(inputs, L), 0, max(segment, stacked), "output mixer + taps")

@@ -1,5 +1,5 @@
-"""What ``Eagle3Module`` asks of the run's data module, declared (any ``LightningDataModule`` that has these members
-takes part; one without them is simply not asked):
+"""What a draft-training module asks of the run's data module, declared (any ``LightningDataModule`` that has these
+members takes part; one without them is simply not asked):
 
 * :class:`DraftVocabulary`: ``vocab_mapping`` (the draft's ``d2t``/``t2d``, None before ``setup``) and ``vocab_size``
   (the tokenizer's, checked against the target's) — ``ChatDataModule`` and ``HiddenStateDataModule``;

@@ -34,17 +34,17 @@ from typing_extensions import override
 
 from lightning_eagle import checkpoint_keys as keys
 from lightning_eagle.checkpoint_io import AtomicCheckpointIO
-from lightning_eagle.draft.family import LayerRecords, default_family
+from lightning_eagle.draft.family import LayerRecords, default_family, load_all_families
 from lightning_eagle.parallel.frozen_target import parallelism_of
 from lightning_eagle.parallel.layout import DraftPlacement, draft_placement
-from lightning_eagle.run_settings import MODEL_GROUPS, as_settings
+from lightning_eagle.run_settings import as_settings
 from lightning_eagle.training import draft_checkpoint as ckpt
 from lightning_eagle.training.finite import stop_unless_finite, updated_weights_sum
 from lightning_eagle.training.resume import micro_batch_rows, rescale_epoch_progress, rng_states_from_checkpoint
 from lightning_eagle.training.schedule import warmup_cosine
 from lightning_eagle.training.target_source import OnlineTarget, TargetSource
 
-TRAINING_FAMILIES = LayerRecords("LightningModule")
+TRAINING_FAMILIES = LayerRecords("training", "LightningModule")
 
 
 def training_family(name: str, source: str = "the checkpoint") -> type[DraftTrainingModule]:
@@ -57,7 +57,7 @@ def module_class(class_path: str | None) -> type[DraftTrainingModule] | None:
     family's module or one of its subclasses); None: the default family's when unset, None when not resolvable here
     (LightningCLI then says why)."""
     if class_path is None:
-        return TRAINING_FAMILIES[default_family().name]
+        return training_family(default_family().name)
     module_name, _, name = class_path.rpartition(".")
     if module_name:
         try:
@@ -65,6 +65,7 @@ def module_class(class_path: str | None) -> type[DraftTrainingModule] | None:
         except ImportError:
             return None
         return found if isinstance(found, type) and issubclass(found, DraftTrainingModule) else None
+    load_all_families()  # a family's module named by its class name alone
     pending, seen = [DraftTrainingModule], set()
     while pending:  # every subclass defined so far (a family's module, a researcher's subclass of one)
         kind = pending.pop()
@@ -84,15 +85,19 @@ class DraftTrainingModule(pl.LightningModule):
     ``load_state_dict``."""
 
     family: ClassVar[str | None] = None  # the family's name: set by the family's module, inherited by its subclasses
-    settings_groups: Mapping[str, type] = MODEL_GROUPS
+    settings_groups: ClassVar[Mapping[str, type]]  # model.<group> → the family's settings type (no default: its own)
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         name = cls.__dict__.get("family")
         if name is not None:  # the family's own class (a researcher's subclass inherits the name, not the record)
-            if TRAINING_FAMILIES.get(name, cls).__qualname__ != cls.__qualname__:
-                raise ValueError(f"draft family {name!r} already registers {TRAINING_FAMILIES[name].__name__}")
-            TRAINING_FAMILIES[name] = cls
+            if not isinstance(getattr(cls, "settings_groups", None), Mapping):
+                raise TypeError(f"{cls.__name__} (draft family {name!r}) must set settings_groups: model.<group> → its "
+                                "settings type")  # fmt: skip
+            known = TRAINING_FAMILIES.get(name)
+            if known is not None and (known.__module__, known.__qualname__) == (cls.__module__, cls.__qualname__):
+                TRAINING_FAMILIES.pop(name)  # the same class defined again (its module imported twice): the newer
+            TRAINING_FAMILIES.register(name, cls)
 
     def __init__(
         self,

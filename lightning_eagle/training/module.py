@@ -26,7 +26,14 @@ from lightning_eagle.k3.target_spec import TargetSpec
 from lightning_eagle.parallel.dense_shard import shard_draft
 from lightning_eagle.parallel.frozen_target import root_device
 from lightning_eagle.parallel.layout import draft_mesh
-from lightning_eagle.run_settings import DraftSettings, ObjectiveSettings, OptimizationSettings, TargetSettings
+from lightning_eagle.run_settings import (
+    MODEL_GROUPS,
+    DraftSettings,
+    ObjectiveSettings,
+    OptimizationSettings,
+    TargetSettings,
+    check_draft_sequence_parallel,
+)
 from lightning_eagle.training import data_contract
 from lightning_eagle.training import draft_checkpoint as ckpt
 from lightning_eagle.training.draft_training import DraftTrainingModule
@@ -34,7 +41,7 @@ from lightning_eagle.training.finite import stop_unless_finite
 from lightning_eagle.training.loss import soft_cross_entropy
 from lightning_eagle.training.loss import step_weights as default_step_weights
 from lightning_eagle.training.metrics import TTTMetrics
-from lightning_eagle.training.run_gates import refuse_unsupported_run
+from lightning_eagle.training.run_gates import refuse_unshardable_draft, refuse_unsupported_target_run
 from lightning_eagle.training.sequence_parallel_unroll import sum_over_sp_group
 from lightning_eagle.training.shift import shift_left
 from lightning_eagle.training.target_source import target_source
@@ -67,6 +74,7 @@ class Eagle3Module(DraftTrainingModule):
     """
 
     family = EAGLE3
+    settings_groups = MODEL_GROUPS
 
     def __init__(
         self,
@@ -140,7 +148,12 @@ class Eagle3Module(DraftTrainingModule):
         return data_contract.vocab_mapping(self._trainer, self.target_spec.config.vocab_size)
 
     def refuse_unsupported_run(self, stage: str) -> None:
-        refuse_unsupported_run(self, stage)
+        refuse_unsupported_target_run(self)
+        check_draft_sequence_parallel(
+            self.placement.draft_sequence_parallel_size, num_attention_heads=self.draft_config.num_attention_heads,
+            draft=self.draft_settings, target_source=self.target_settings.source, stage=stage,
+        )  # fmt: skip
+        refuse_unshardable_draft(self)
 
     # ---- research hooks -------------------------------------------------------------------------------------------
     def compute_teacher(self, draft, loss_mask, **sources) -> Teacher | ChunkedTeacher:

@@ -1,13 +1,11 @@
-"""What a draft-training module's ``setup`` refuses about the run it is in, before any weight is read: a precision
-that would cast the whole module, features from another target or taps (or features handed to an online run), and
-what draft sequence parallelism does not support (EAGLE-3: :func:`~lightning_eagle.run_settings.
-check_draft_sequence_parallel`, the one check the memory plan makes too; DSpark: any), and ``model.draft.shard``
-without ranks to shard over."""
+"""What every draft-training module's ``setup`` refuses about the run it is in, before any weight is read: a
+precision that would cast the whole module, features from another target or taps (or features handed to an online
+run), and ``model.draft.shard`` without ranks to shard over. A family adds its own refusals in its module's
+``refuse_unsupported_run`` (e.g. what its draft sequence parallelism does not support)."""
 
 from __future__ import annotations
 
 from lightning_eagle.parallel.layout import draft_mesh
-from lightning_eagle.run_settings import check_draft_sequence_parallel
 from lightning_eagle.training.data_contract import features_manifest
 from lightning_eagle.training.target_source import check_features_manifest
 
@@ -30,14 +28,3 @@ def refuse_unshardable_draft(module) -> None:
     (both families; last, after the refusals that name a combination)."""
     if module.draft_settings.shard:
         draft_mesh(module.trainer)
-
-
-def refuse_unsupported_run(module, stage: str) -> None:
-    """Raise ``ValueError`` naming the setting for a run the EAGLE-3 ``module`` cannot train (or ``stage``) as
-    configured."""
-    refuse_unsupported_target_run(module)
-    check_draft_sequence_parallel(
-        module.placement.draft_sequence_parallel_size, num_attention_heads=module.draft_config.num_attention_heads,
-        draft=module.draft_settings, target_source=module.target_settings.source, stage=stage,
-    )  # fmt: skip
-    refuse_unshardable_draft(module)

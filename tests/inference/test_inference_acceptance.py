@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from eagle_helpers import eagle_module
-from inference_helpers import draft_for_target, make_target
+from inference_helpers import draft_for_target, dspark_for_target, make_target
 
 from lightning_eagle.data import synthetic_k3_tokenizer
 from lightning_eagle.data.prompts import prompts_from_chats, prompts_from_token_rows
@@ -110,17 +110,20 @@ def test_cli_entry_point(tmp_path, chat_file, capsys):
 
 
 def test_the_number_of_draft_tokens_is_the_callers_or_the_familys():
-    """The draft config records only the architecture: K is the caller's (default 7), or with
-    ``num_draft_tokens=None`` the family's own: the ``ttt_steps`` an EAGLE-3 export records, else the default."""
+    """K is the caller's, or by default (``num_draft_tokens=None``) the family's own: the ``ttt_steps`` an EAGLE-3
+    export records, else 7; a DSpark drafter's block."""
     target = make_target(seed=22, **SYNTHETIC)
     draft = draft_for_target(target, draft_vocab_size=320, seed=4)
-    callers = DecodingSettings(max_new_tokens=2)
-    report = evaluate_acceptance(target, draft, [[256, 259, 40]], callers, compare_plain=False)
+    callers = DecodingSettings(max_new_tokens=2, num_draft_tokens=2)
+    assert evaluate_acceptance(target, draft, [[256, 259, 40]], callers, compare_plain=False).num_draft_tokens == 2
+    familys = DecodingSettings(max_new_tokens=2)
+    assert familys.num_draft_tokens is None
+    report = evaluate_acceptance(target, draft, [[256, 259, 40]], familys, compare_plain=False)
     assert report.num_draft_tokens == DEFAULT_NUM_DRAFT_TOKENS == 7
-    familys = DecodingSettings(max_new_tokens=2, num_draft_tokens=None)
-    assert evaluate_acceptance(target, draft, [[256, 259, 40]], familys, compare_plain=False).num_draft_tokens == 7
     draft.training_settings = {"ttt_steps": 3}  # what an export's metadata gives a loaded draft
     assert evaluate_acceptance(target, draft, [[256, 259, 40]], familys, compare_plain=False).num_draft_tokens == 3
+    block = dspark_for_target(target, seed=2, block_size=3, aux_layer_ids=[1, 2, 4])  # the default settings: K 3
+    assert evaluate_acceptance(target, block, [[256, 259, 40]], compare_plain=False).num_draft_tokens == 3
 
 
 def test_callback_logs_tau_real_during_validation(tmp_path, chat_file):

@@ -30,9 +30,11 @@ def test_recorded_ids_and_stream_are_used():
 
 def test_unrecorded_ids_fall_back_to_the_target_default_or_raise():
     imported = draft_config(aux_layer_ids=None, aux_stream=None, target_num_hidden_layers=None)
-    assert resolve_inference_aux(fake_target(93), imported) == ([1, 45, 89], "prefix")
+    assert resolve_inference_aux(fake_target(93), imported, unrecorded_count=3) == ([1, 45, 89], "prefix")
     with pytest.raises(ValueError, match="records no aux_layer_ids.*pass aux_layer_ids explicitly"):
-        resolve_inference_aux(fake_target(6), imported)  # shallow: the default [1, 2, 2] collides
+        resolve_inference_aux(fake_target(6), imported, unrecorded_count=3)  # shallow: the default [1, 2, 2] collides
+    with pytest.raises(ValueError, match="the drafter records no aux_layer_ids"):  # a family with no default taps
+        resolve_inference_aux(fake_target(93), imported)
 
 
 def test_recorded_ids_of_another_target_or_invalid_explicit_ids_raise():

@@ -17,7 +17,13 @@ from lightning_eagle.inference.draft_families import generate_for
 
 def test_defaults_are_greedy_and_normalised():
     d = DecodingSettings()
-    assert (d.max_new_tokens, d.num_draft_tokens, d.temperature, d.top_p, d.seed) == (64, 7, 0.0, 1.0, 0)
+    assert (d.max_new_tokens, d.num_draft_tokens, d.temperature, d.top_p, d.seed) == (
+        64,
+        None,
+        0.0,
+        1.0,
+        0,
+    )  # K: the family's own
     assert d.aux_layer_ids is None and d.prefill_chunk == 2048 and DEFAULT_DECODING == d
     assert (CARD_DECODING.temperature, CARD_DECODING.top_p) == (1.0, 0.95)
     typed = DecodingSettings(temperature=1, top_p=1, aux_layer_ids=[5, 1, 3])

@@ -8,7 +8,7 @@ import torch
 from inference_helpers import draft_for_target, make_target
 
 from lightning_eagle.inference import plain_generate, speculative_generate
-from lightning_eagle.inference.draft_runner import DraftProposal
+from lightning_eagle.inference.drafter import DraftProposal
 
 MIN_MARGIN = 1e-4  # ≫ the fp32 drift between the cached and the full forward (≤ 2e-5, test_inference_target_cache)
 

@@ -41,7 +41,7 @@ def toy_family():
     register_draft_family(DraftFamily(
         name=TOY, config_type=dict, is_draft=lambda draft: False, recognizes=lambda config_json: False,
         load_export=lambda *args: None, export=lambda *args, **kwargs: None, serve_lines=lambda *args: [],
-        taps=lambda config: config["taps"],
+        aux_layer_ids=lambda config: config["taps"],
     ))  # fmt: skip
     register_planning_family(PlanningFamily(
         name=TOY, phases=(TARGET_FORWARD, TOY_STEP, OPTIMIZER_STEP),
@@ -67,7 +67,10 @@ def _toy_inputs(**changes) -> PlanInputs:
 def test_a_family_defined_in_a_test_is_planned_through_its_records(toy_family):
     inputs = _toy_inputs(batch_size=3)
     plan = build_plan(inputs)
-    assert inputs.phases == (TARGET_FORWARD, TOY_STEP, OPTIMIZER_STEP) and inputs.taps == (1, 2)  # the draft record's
+    assert inputs.phases == (TARGET_FORWARD, TOY_STEP, OPTIMIZER_STEP) and inputs.aux_layer_ids == (
+        1,
+        2,
+    )  # the draft record's
     assert plan.peak_phase == TOY_STEP and plan.term("toy activations").nbytes == 3 * 10**9
     assert plan.term("toy table").phase == RESIDENT and plan.term("draft parameters").nbytes == 1000 * 4
     table = format_plan(plan)

@@ -114,7 +114,7 @@ def _measure(spec: dict) -> dict:
 
     def capture():
         with torch.no_grad():
-            return target.capture(ids, ones, aux_layer_ids=list(inputs.taps))
+            return target.capture(ids, ones, aux_layer_ids=list(inputs.aux_layer_ids))
 
     def training_step() -> None:
         cap = capture()

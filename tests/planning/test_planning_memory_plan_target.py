@@ -108,7 +108,7 @@ def target_census(inputs: PlanInputs, monkeypatch) -> dict[tuple, int]:
     handles.append(target.model.layers[-1].register_forward_hook(enter(("final",))))
     try:
         with meta_autocast_as_cpu(), FlashOnMeta(), mode:
-            target.capture(ids, None, aux_layer_ids=list(inputs.taps))
+            target.capture(ids, None, aux_layer_ids=list(inputs.aux_layer_ids))
             enter(("done",))()
     finally:
         for handle in handles:
@@ -221,7 +221,7 @@ def _measure_capture(runs: list[tuple[int, int]]) -> list[int]:
         before = rss()
         reset_peak()
         with torch.no_grad():
-            cap = target.capture(ids, ones, aux_layer_ids=list(inputs.taps))
+            cap = target.capture(ids, ones, aux_layer_ids=list(inputs.aux_layer_ids))
         out.append(peak() - before)
         del cap
     return out[1:]

@@ -23,14 +23,14 @@ from torch import nn
 from lightning_eagle import checkpoint_keys as keys
 from lightning_eagle.atomic import atomic_dir
 from lightning_eagle.draft.family import DRAFT_FAMILIES, DraftFamily, draft_family_named, register_draft_family
-from lightning_eagle.inference.decoding_family import DecodingFamily, register_decoding_family
-from lightning_eagle.inference.draft_runner import DraftProposal
+from lightning_eagle.inference.decoding_family import DECODING_FAMILIES, DecodingFamily, register_decoding_family
+from lightning_eagle.inference.drafter import DraftProposal
 from lightning_eagle.inference.speculative import speculative_generate
 from lightning_eagle.k3.target_spec import TargetSpec
 from lightning_eagle.parallel.frozen_target import root_device
 from lightning_eagle.run_settings import OptimizationSettings, TargetSettings
 from lightning_eagle.training.draft_checkpoint import draft_state
-from lightning_eagle.training.draft_training import DraftTrainingModule
+from lightning_eagle.training.draft_training import TRAINING_FAMILIES, DraftTrainingModule
 from lightning_eagle.training.target_source import target_source
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,19 +45,15 @@ frozen = dataclasses.dataclass(frozen=True)
 class ToyConfig:
     vocab_size: int
     hidden_size: int
-    taps: tuple[int, ...]
+    aux_layer_ids: tuple[int, ...]
     aux_stream: str = "prefix"
 
-    @property
-    def aux_layer_ids(self) -> list[int]:
-        return list(self.taps)
-
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "taps": list(self.taps)}
+        return {**dataclasses.asdict(self), "aux_layer_ids": list(self.aux_layer_ids)}
 
     @classmethod
     def from_dict(cls, data: dict) -> ToyConfig:
-        return cls(**{**data, "taps": tuple(data["taps"])})
+        return cls(**{**data, "aux_layer_ids": tuple(data["aux_layer_ids"])})
 
 
 class ToyDrafter(nn.Module):
@@ -66,10 +62,10 @@ class ToyDrafter(nn.Module):
     def __init__(self, config: ToyConfig) -> None:
         super().__init__()
         self.config = config
-        self.proj = nn.Linear(len(config.taps) * config.hidden_size, config.vocab_size)
+        self.proj = nn.Linear(len(config.aux_layer_ids) * config.hidden_size, config.vocab_size)
         self.bigram = nn.Embedding(config.vocab_size, config.vocab_size)
         self.register_buffer("selected_token_ids", torch.arange(config.vocab_size), persistent=False)
-        self.aux_layer_ids, self.aux_stream = list(config.taps), config.aux_stream
+        self.aux_layer_ids, self.aux_stream = list(config.aux_layer_ids), config.aux_stream
         self._last: torch.Tensor | None = None
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,12 +177,20 @@ class ToyModule(DraftTrainingModule):
 
 
 # ---- the records ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def _unregistered_after():
+    """The toy family leaves the registries with this file's tests (the suite's other tests see only the built-ins)."""
+    yield
+    for registry in (DRAFT_FAMILIES, DECODING_FAMILIES, TRAINING_FAMILIES):
+        registry.pop(FAMILY, None)
+
+
 if FAMILY not in DRAFT_FAMILIES:  # once per process (pytest and a command may both import this file)
     register_draft_family(DraftFamily(
         name=FAMILY, config_type=ToyConfig, is_draft=lambda d: isinstance(d, ToyDrafter),
         recognizes=lambda c: c.get("architectures") == [ARCHITECTURE], load_export=_load_export, export=_export,
         serve_lines=lambda config_json, folder: [f"{folder}: a toy family, served by no engine"],
-        taps=lambda config: list(config.taps),
+        aux_layer_ids=lambda config: list(config.aux_layer_ids),
     ))  # fmt: skip
     register_decoding_family(DecodingFamily(FAMILY, speculative_generate, lambda d: 3))
 
@@ -237,7 +241,7 @@ def test_a_third_family_runs_fit_resume_export_acceptance_without_a_library_edit
     monkeypatch.setenv("LIGHTNING_EAGLE_CACHE", str(tmp_path / "cache"))
     cli_main(["fit", "--config", str(_config(tmp_path, 2))])
     checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
-    assert checkpoint[keys.DRAFT_FAMILY] == FAMILY and checkpoint[keys.DRAFT_CONFIG]["taps"] == [1, 5]
+    assert checkpoint[keys.DRAFT_FAMILY] == FAMILY and checkpoint[keys.DRAFT_CONFIG]["aux_layer_ids"] == [1, 5]
     assert {k for k in checkpoint if k.startswith("eagle_") or k.startswith("dspark_")} == set()
     metrics = (tmp_path / "run" / "logs").rglob("metrics.csv")
     assert any("val/tau_real" in m.read_text() for m in metrics)  # the acceptance callback decoded the toy draft
@@ -257,5 +261,13 @@ def test_a_third_family_runs_fit_resume_export_acceptance_without_a_library_edit
 
     out = _command(tmp_path, "acceptance", "--target", "quickstart", "--draft", str(tmp_path / "export"),
                    "--num-prompts", "2", "--max-new-tokens", "6", "--temperature", "0", "--no-plain")  # fmt: skip
-    assert "mean acceptance length" in out.lower() or "tau" in out.lower(), out[-2000:]
+    assert "rounds" in out and "K 3," in out and "vLLM: mean acceptance length" in out, out[-2000:]  # the family's K
     assert draft_family_named(FAMILY).name == FAMILY
+
+
+def test_a_family_without_a_memory_plan_is_refused_by_the_plan_by_name(tmp_path, capsys):
+    from lightning_eagle.commands.cli import main as cli_main
+
+    with pytest.raises(SystemExit):
+        cli_main(["memory-plan", "--config", str(_config(tmp_path, 2))])
+    assert f"draft family '{FAMILY}' registers no memory plan" in capsys.readouterr().err
