@@ -103,7 +103,7 @@ def build(spec: dict, T: int):
         ids = torch.randint(0, inputs.target.vocab_size, (inputs.batch_size, length), generator=gen)
         ones = torch.ones_like(ids)
         with torch.no_grad():
-            cap = target.capture(ids, ones, aux_layer_ids=list(inputs.taps))
+            cap = target.capture(ids, ones, aux_layer_ids=list(inputs.aux_layer_ids))
         out = ttt_loss(
             draft, shift_left(ids), ones, shift_left(ones), cap.aux_hidden_states,
             final_hidden=shift_left(cap.final_hidden), lm_head_weight=target.lm_head.weight,
