@@ -14,14 +14,10 @@ from typing import Any
 DRAFT_FAMILY = "draft_family"  # the family's registered name
 DRAFT_CONFIG = "draft_config"  # the family's draft config, ``to_dict()``
 DRAFT_TRAINING = "draft_training"  # how the draft was trained, as its export records it (EAGLE-3: ttt_steps, …)
-DRAFT_ORIGIN = "draft_origin"  # where a continued draft started (an export or a checkpoint), when it did
 TARGET_FINGERPRINT = "target_fingerprint"  # the target's config fingerprint a resume must match
 DRAFT_SHARDED = "draft_sharded"  # model.draft.shard of the run (optimizer states are laid out by it)
 RNG_STATES = "rng_states"  # rank 0's random streams, restored on resume
 MICRO_BATCH_ROWS = "micro_batch_rows"  # rows one micro-batch takes over the world (cross-layout resume)
-
-KEYS = (DRAFT_FAMILY, DRAFT_CONFIG, DRAFT_TRAINING, DRAFT_ORIGIN, TARGET_FINGERPRINT, DRAFT_SHARDED, RNG_STATES,
-        MICRO_BATCH_ROWS)  # fmt: skip
 
 # shared keys of the layout before (old name → name now)
 LEGACY_KEYS = {

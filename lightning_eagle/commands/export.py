@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from lightning_eagle.dtypes import DTYPES
 
 def main(argv: list[str] | None = None) -> None:
     from lightning_eagle.checkpoint_io import load_checkpoint_file, load_dcp_checkpoint
-    from lightning_eagle.draft.family import checkpoint_family
+    from lightning_eagle.draft.family import checkpoint_family, export_config
 
     parser = CommandParser(prog="lightning-eagle export", description="Write a trained draft in its serving layout.")
     parser.add_argument("checkpoint", help="Lightning checkpoint file or DCP folder written by fit")
@@ -42,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         overwrite=args.overwrite,
     )
     print(f"exported {args.checkpoint} (a {family.name} draft) to {path}")
-    for line in family.serve_lines(json.loads((Path(path) / "config.json").read_text()), str(path)):
+    for line in family.serve_lines(export_config(path), str(path)):
         print(line)
 
 

@@ -145,17 +145,6 @@ def draft_family_of(draft: Any) -> DraftFamily | None:
     return matches[0] if matches else None
 
 
-def family_of_draft(draft: Any, what: str = "the draft") -> DraftFamily:
-    """:func:`draft_family_of`, required: a ``TypeError`` naming the object when no family claims it."""
-    family = draft_family_of(draft)
-    if family is None:
-        raise TypeError(
-            f"{what} ({type(draft).__name__}) belongs to no registered draft family "
-            f"(known: {', '.join(sorted(DRAFT_FAMILIES))})"
-        )
-    return family
-
-
 def export_config(folder: str | Path) -> dict[str, Any]:
     """The export's ``config.json`` (one ``ValueError`` naming the file when it is missing or not a JSON object)."""
     path = Path(folder) / "config.json"

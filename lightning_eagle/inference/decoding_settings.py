@@ -35,8 +35,8 @@ from lightning_eagle.settings import check_positive_int_or_none, check_settings
 
 @dataclass(frozen=True)
 class DecodingSettings:
-    """How every prompt of an acceptance run is decoded (defaults: greedy, K 7, 64 new tokens, prefill in chunks of
-    2048).
+    """How every prompt of an acceptance run is decoded (defaults: greedy, the draft family's own K, 64 new tokens,
+    prefill in chunks of 2048).
 
     ``max_new_tokens``: tokens generated per prompt (or turn); ``num_draft_tokens``: K, tokens drafted per
     verification round (None: the draft family's own, :meth:`for_draft`: an EAGLE-3 export's recorded

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_eagle.checkpoint_io import load_checkpoint_file
-from lightning_eagle.draft.family import family_of_draft
+from lightning_eagle.draft.family import draft_family_named
 from lightning_eagle.errors import RunError
 from lightning_eagle.parallel.dense_shard import full_state_dict, has_sharded_trainable_parameters
 
@@ -48,7 +48,7 @@ class ExportDraftCallback(pl.Callback):
         if not trainer.is_global_zero:
             return
         dtype = getattr(torch, self.dtype) if self.dtype else None
-        family, from_best = family_of_draft(pl_module.draft, "the module's draft"), isinstance(source, str)
+        family, from_best = draft_family_named(pl_module.family, type(pl_module).__name__), isinstance(source, str)
         if from_best:
             source = load_checkpoint_file(source, weights_only=False)
         path = family.export(source, self.resolved_out_dir(trainer), dtype=dtype, overwrite=True)
