@@ -16,6 +16,8 @@ DRAFT_CONFIG = "draft_config"  # the family's draft config, ``to_dict()``
 DRAFT_TRAINING = "draft_training"  # how the draft was trained, as its export records it (EAGLE-3: ttt_steps, …)
 TARGET_FINGERPRINT = "target_fingerprint"  # the target's config fingerprint a resume must match
 DRAFT_SHARDED = "draft_sharded"  # model.draft.shard of the run (optimizer states are laid out by it)
+DRAFT_MASTER_WEIGHTS = "draft_master_weights"  # whether the optimizer state holds fp32 masters (a 16-bit draft)
+DRAFT_ORIGIN = "draft_origin"  # where a continued draft started (model.draft.init_from): path, family, target, step
 RNG_STATES = "rng_states"  # rank 0's random streams, restored on resume
 MICRO_BATCH_ROWS = "micro_batch_rows"  # rows one micro-batch takes over the world (cross-layout resume)
 

@@ -92,27 +92,73 @@ class TargetSettings:
 
 
 @dataclass(frozen=True)
-class DraftSettings:
-    """``model.draft``: the draft and how it is built and run.
+class DraftTrainingSettings:
+    """What ``model.draft`` holds in every family: how the draft is placed, stored, started and recomputed.
+
+    ``activation_checkpointing``: recompute the draft's steps (EAGLE-3) or layers (DSpark) in the backward; ``shard``:
+    FSDP2-shard the draft's parameters, gradients and optimizer states over all ranks; ``init_seed``: the random
+    init, the same on every rank; ``dtype``: the dtype the draft computes in; ``master_weights``: with a 16-bit
+    ``dtype``, keep fp32 master weights and optimizer states (a replicated draft: :class:`~lightning_eagle.training.
+    master_weights.MasterWeights`; a sharded one: FSDP2's mixed-precision policy) — ``false`` trains pure 16-bit,
+    where an update smaller than half a weight's spacing is lost (warned); ``init_from``: an export folder or a
+    training checkpoint of either family whose draft weights this run starts from (weights only: a fresh optimizer and
+    schedule; continual training onto a new target checkpoint).
+    """
+
+    activation_checkpointing: bool = False
+    shard: bool = False
+    init_seed: int = 0
+    dtype: Literal[DRAFT_DTYPES] = "float32"
+    master_weights: bool = True
+    init_from: str | None = None
+
+    def __post_init__(self) -> None:
+        choice("model.draft.dtype", self.dtype, DRAFT_DTYPES)
+        flag("model.draft.activation_checkpointing", self.activation_checkpointing)
+        flag("model.draft.shard", self.shard)
+        flag("model.draft.master_weights", self.master_weights)
+        check_settings("model.draft", {"init_seed": (self.init_seed, "non_negative", int)})
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
+            raise ValueError(
+                f"model.draft.init_from must be the path of a draft export or a training checkpoint, got "
+                f"{self.init_from!r}"
+            )
+
+    @property
+    def master_copy(self) -> bool:
+        """Whether the trained parameters have fp32 masters apart from the ``dtype`` they compute in."""
+        return self.master_weights and self.dtype != "float32"
+
+    def pure_low_precision_warning(self) -> str | None:
+        """The warning a pure 16-bit draft gets (None: the draft keeps fp32 masters, or computes in fp32)."""
+        if self.master_weights or self.dtype == "float32":
+            return None
+        return (
+            f"model.draft.dtype={self.dtype} with model.draft.master_weights=false trains the draft's parameters and "
+            f"optimizer states in {self.dtype} with no fp32 master copy: an update smaller than half a weight's "
+            f"spacing is rounded away (a {self.dtype} norm gain of 1.0 never moves at lr below "
+            f"{2.0 ** -(8 if self.dtype == 'bfloat16' else 11):.2g}); set model.draft.master_weights=true"
+        )
+
+
+@dataclass(frozen=True)
+class DraftSettings(DraftTrainingSettings):
+    """``model.draft`` of an EAGLE-3 run: the draft and how it is built and run (and the fields every family has:
+    :class:`DraftTrainingSettings`).
 
     ``config``: fields of the draft config to override (``{"intermediate_size": 4096, "architecture":
     "deepseek_mla"}``); the taps, their stream and the draft vocabulary come from ``model.target`` and the data
     module, never from here. ``attention_backend``: TTT attention (``"auto"`` per device, or ``"eager"``,
     ``"flash_lse"``, ``"sdpa_mask"``, ``"flex_attention"``); ``kv_cache``: ``"expanded"`` or ``"latent"``
-    (MLA's latent + rope key per step); ``activation_checkpointing``: recompute each TTT step in the backward;
-    ``shard``: FSDP2-shard the draft's parameters, gradients and AdamW states over all ranks; ``init_seed``: the
-    draft's random init, the same on every rank; ``dtype``: its training dtype.
+    (MLA's latent + rope key per step).
     """
 
     config: dict[str, Any] | None = None
     attention_backend: str = "auto"
     kv_cache: Literal[KV_CACHES] = "expanded"
-    activation_checkpointing: bool = False
-    shard: bool = False
-    init_seed: int = 0
-    dtype: Literal[DRAFT_DTYPES] = "float32"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.config is not None and not isinstance(self.config, Mapping):
             raise ValueError(f"model.draft.config must be a mapping of draft config fields, got {self.config!r}")
         doubled = sorted(set(self.config or {}) & set(DRAFT_CONFIG_ELSEWHERE))
@@ -125,10 +171,6 @@ class DraftSettings:
         except ValueError as err:
             raise ValueError(f"model.draft.attention_backend: {err}") from None
         choice("model.draft.kv_cache", self.kv_cache, KV_CACHES)
-        choice("model.draft.dtype", self.dtype, DRAFT_DTYPES)
-        flag("model.draft.activation_checkpointing", self.activation_checkpointing)
-        flag("model.draft.shard", self.shard)
-        check_settings("model.draft", {"init_seed": (self.init_seed, "non_negative", int)})
 
     def __hash__(self) -> int:  # `config` is a dict: hash what identifies the settings
         return hash((tuple(sorted(self.config.items(), key=str)) if self.config else (), self.attention_backend))

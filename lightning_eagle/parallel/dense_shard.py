@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 from lightning_eagle.k3.experts import RoutedExperts
@@ -58,15 +58,23 @@ def shard_dense_weights(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def shard_draft(draft: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def shard_draft(draft: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype | None = None) -> nn.Module:
     """FSDP2 over all ranks for a draft's trained parameters (``model.draft.shard``): every unit the draft names
     (``draft.fsdp_units()``: EAGLE-3's ``fc``, layer, norm, ``lm_head``; DSpark's context projection, layers, final
     norm and heads) is gathered for its forward and its backward; gradients are reduce-scattered (averaged over the
     world) and AdamW states live only for each rank's shard. A unit's other weight-reading methods (its class's
     ``fsdp_forward_methods``) gather like its forward, and :func:`with_full_parameters` runs any computation over
-    whole weights of units."""
+    whole weights of units.
+
+    ``compute_dtype`` (fp32 master weights of a 16-bit draft, ``model.draft.master_weights``): each unit's parameters
+    become fp32 shards (and so its AdamW states; the upcast is one unit at a time, before its shard is taken), each
+    unit is gathered in ``compute_dtype`` and runs in it, and gradients are reduce-scattered in fp32 — FSDP2's
+    mixed-precision policy."""
+    policy = MixedPrecisionPolicy() if compute_dtype is None else MixedPrecisionPolicy(compute_dtype, torch.float32)
     for unit in draft.fsdp_units():
-        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+        if compute_dtype is not None:
+            unit.to(torch.float32)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
         setattr(unit, _FULL_CALL, _call)  # a plain instance function: FSDP wraps it with its forward hooks below
         for name in (*getattr(type(unit), "fsdp_forward_methods", ()), _FULL_CALL):
             register_fsdp_forward_method(unit, name)

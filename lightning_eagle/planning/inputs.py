@@ -121,6 +121,22 @@ class PlanInputs:
         return self.draft_settings.shard
 
     @property
+    def master_weights(self) -> bool:
+        """fp32 masters of a 16-bit draft (``model.draft.master_weights``)."""
+        return self.draft_settings.master_copy
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes per trained parameter as stored (and its gradient, and each AdamW state when :attr:`state_bytes` is
+        the same): fp32 shards of a sharded draft with masters, else the draft's dtype."""
+        return 4 if self.master_weights and self.draft_shard else self.draft_dtype.itemsize
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes per element of each AdamW state: fp32 with masters, else the parameter dtype."""
+        return 4 if self.master_weights else self.draft_dtype.itemsize
+
+    @property
     def activation_checkpointing(self) -> bool:
         return self.draft_settings.activation_checkpointing
 

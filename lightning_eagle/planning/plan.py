@@ -57,15 +57,22 @@ def resident_terms(inputs: PlanInputs, target: TargetShapes, draft: DraftShapes)
         Term(RESIDENT, "target routed experts",
              routed_bytes(target.routed_weights_per_expert * experts, t_dt, inputs.expert_storage),
              f"{experts} experts/layer at expert_parallel_size {inputs.ep}, {storage}"),
-        Term(RESIDENT, "draft parameters", (trainable + draft.frozen) * s + draft.buffer_bytes,
+        Term(RESIDENT, "draft parameters", trainable * inputs.stored_bytes + draft.frozen * s + draft.buffer_bytes,
              f"{draft.trainable / 1e9:.3g} B trainable{sharded}"
              + (f" + {draft.frozen / 1e9:.3g} B frozen embedding" if draft.frozen else "")
-             + f", {dtype_name(inputs.draft_dtype)}"),
-        Term(RESIDENT, "AdamW states", 2 * trainable * s,
-             f"exp_avg + exp_avg_sq in the parameter dtype ({dtype_name(inputs.draft_dtype)}; no fp32 master copy)"),
+             + (f", fp32 shards computing in {dtype_name(inputs.draft_dtype)}" if inputs.stored_bytes != s
+                else f", {dtype_name(inputs.draft_dtype)}")),
     ]  # fmt: skip
+    stepped, zero = stepped_numel(inputs, draft), partitioned_note(inputs)
+    if inputs.master_weights and not inputs.draft_shard:
+        terms.append(Term(RESIDENT, "fp32 master weights", stepped * FP32,
+                          "the optimizer's fp32 copy of the trained parameters (MasterWeights)" + zero))  # fmt: skip
+    terms.append(Term(RESIDENT, "AdamW states", 2 * stepped * inputs.state_bytes,
+                      "exp_avg + exp_avg_sq in fp32" if inputs.master_weights else
+                      f"exp_avg + exp_avg_sq in the parameter dtype ({dtype_name(inputs.draft_dtype)}; no fp32 master "
+                      "copy)"))  # fmt: skip
     if inputs.accumulate_grad_batches > 1:
-        terms.append(Term(RESIDENT, "gradients between micro-batches", trainable * s,
+        terms.append(Term(RESIDENT, "gradients between micro-batches", trainable * inputs.stored_bytes,
                           f"accumulate_grad_batches={inputs.accumulate_grad_batches}"))  # fmt: skip
     terms.append(Term(RESIDENT, "runtime reserve", inputs.reserve_bytes,
                       "assumption: CUDA context, NCCL buffers, allocator fragmentation"))  # fmt: skip
@@ -103,20 +110,38 @@ def gather_note(inputs: PlanInputs, target: TargetShapes, where: str) -> str:
     )
 
 
+def stepped_numel(inputs: PlanInputs, draft: DraftShapes) -> int:
+    """Elements of the trained parameters whose optimizer states (and fp32 masters) one rank holds: its shard of a
+    sharded draft; of a replicated draft with masters over several ranks, its partition (whole tensors, largest first
+    to the least loaded rank: at most the mean plus the largest tensor); else all of them."""
+    if inputs.master_weights and not inputs.draft_shard and inputs.world > 1:
+        return min(draft.trainable, -(-draft.trainable // inputs.world) + draft.largest_trainable)
+    return shard(draft.trainable, inputs)
+
+
+def partitioned_note(inputs: PlanInputs) -> str:
+    if inputs.master_weights and not inputs.draft_shard and inputs.world > 1:
+        return f", partitioned over {inputs.world} ranks (at most the mean + the largest tensor)"
+    return ""
+
+
 def optimizer_terms(inputs: PlanInputs, draft: DraftShapes) -> list[Term]:
     """AdamW: the CUDA default (foreach) takes ``sqrt(exp_avg_sq)`` of every parameter at once; the CPU default
     (single tensor) one parameter at a time (the sqrt and its quotient). The module's grad-norm logging copies one
     gradient at a time to fp32 before the step."""
     phase = OPTIMIZER_STEP
-    s = inputs.draft_dtype.itemsize
-    trainable = shard(draft.trainable, inputs)
+    s, g = inputs.state_bytes, inputs.stored_bytes
+    trainable, stepped = shard(draft.trainable, inputs), stepped_numel(inputs, draft)
     largest = shard(draft.largest_trainable, inputs)
-    foreach = trainable * s if inputs.device != "cpu" else 2 * largest * s
+    foreach = stepped * s if inputs.device != "cpu" else 2 * largest * s
     terms = [Term(phase, "optimizer temporaries", max(foreach, largest * FP32),
                   "foreach AdamW: sqrt(exp_avg_sq) of every parameter" if inputs.device != "cpu" else
                   "single-tensor AdamW")]  # fmt: skip
     if inputs.accumulate_grad_batches == 1:
-        terms.append(Term(phase, "gradients", trainable * s))
+        terms.append(Term(phase, "gradients", trainable * g))
+    if inputs.master_weights and not inputs.draft_shard:
+        terms.append(Term(phase, "fp32 gradients of the masters", stepped * FP32,
+                          "MasterWeights hands the inner optimizer fp32 copies of its gradients"))  # fmt: skip
     return terms
 
 

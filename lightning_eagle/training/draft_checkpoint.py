@@ -72,6 +72,7 @@ def draft_record(module) -> dict[str, Any]:
         keys.DRAFT_FAMILY: module.family,
         keys.DRAFT_CONFIG: module.draft_config.to_dict(),
         keys.DRAFT_TRAINING: module.training_record(),
+        keys.DRAFT_ORIGIN: module.draft_origin,
     }
 
 
@@ -80,7 +81,8 @@ def checkpoint_extras(module, micro_batch_rows: int | None) -> dict[str, Any]:
     return {
         keys.TARGET_FINGERPRINT: module.target_spec.fingerprint,
         keys.MICRO_BATCH_ROWS: micro_batch_rows,
-        keys.DRAFT_SHARDED: getattr(module.draft_settings, "shard", False),
+        keys.DRAFT_SHARDED: module.draft_settings.shard,
+        keys.DRAFT_MASTER_WEIGHTS: module.draft_settings.master_copy,
         # Rank 0's generators (the only checkpoint written): resumed ranks continue from the same random streams.
         keys.RNG_STATES: rng_states_to_checkpoint(_collect_rng_states(include_cuda=torch.cuda.is_available())),
     }
@@ -104,13 +106,17 @@ def check_resume(module, checkpoint: dict[str, Any]) -> None:
     saved_config = checkpoint.get(keys.DRAFT_CONFIG)
     saved_config = None if saved_config is None else renamed_fields(saved_config)  # an older checkpoint's field names
     refuse_another_draft(saved_config, module.draft_config.to_dict(), family.resumable_fields)
-    saved_sharded, shard = checkpoint.get(keys.DRAFT_SHARDED, False), getattr(module.draft_settings, "shard", False)
-    if saved_sharded != shard:
-        raise ValueError(
-            f"the checkpoint was written with model.draft.shard={saved_sharded} and this run has "
-            f"model.draft.shard={shard}: their optimizer states are laid out differently; resume with "
-            f"model.draft.shard={saved_sharded} (any world size of more than one rank if true)"
-        )
+    settings = module.draft_settings
+    for key, setting, ours in ((keys.DRAFT_SHARDED, "shard", settings.shard),
+                               (keys.DRAFT_MASTER_WEIGHTS, "master_weights", settings.master_copy)):  # fmt: skip
+        saved = checkpoint.get(key, False)
+        if saved != ours:
+            raise ValueError(
+                f"the checkpoint was written with model.draft.{setting}={saved} and this run has "
+                f"model.draft.{setting}={ours} (dtype {settings.dtype}): their optimizer states are laid out "
+                f"differently; resume with the checkpoint's setting, or start from its weights with "
+                f"model.draft.init_from"
+            )
 
 
 def refuse_another_draft(saved: dict[str, Any] | None, ours: dict[str, Any], resumable: tuple[str, ...] = ()) -> None:

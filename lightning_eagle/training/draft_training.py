@@ -28,21 +28,26 @@ from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.seed import _set_rng_states
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_eagle import checkpoint_keys as keys
 from lightning_eagle.checkpoint_io import AtomicCheckpointIO
 from lightning_eagle.draft.family import LayerRecords, default_family, load_all_families
+from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.parallel.frozen_target import parallelism_of
 from lightning_eagle.parallel.layout import DraftPlacement, draft_placement
 from lightning_eagle.run_settings import as_settings
 from lightning_eagle.training import draft_checkpoint as ckpt
 from lightning_eagle.training.finite import stop_unless_finite, updated_weights_sum
+from lightning_eagle.training.master_weights import MasterWeights
 from lightning_eagle.training.resume import micro_batch_rows, rescale_epoch_progress, rng_states_from_checkpoint
 from lightning_eagle.training.schedule import warmup_cosine
 from lightning_eagle.training.target_source import OnlineTarget, TargetSource
+from lightning_eagle.training.warm_start import check_same_draft, read_draft_start, start_draft_from
 
 TRAINING_FAMILIES = LayerRecords("training", "LightningModule")
 
@@ -116,6 +121,9 @@ class DraftTrainingModule(pl.LightningModule):
         self.draft: torch.nn.Module | None = None
         self.strict_loading = False  # the checkpoint holds only the draft; `load_state_dict` checks it strictly
         self.target_spec, self.draft_config = self.run_spec(groups)  # each validated once, before any weight
+        self.draft_origin: dict[str, Any] | None = None  # where model.draft.init_from started the draft
+        if (warning := self.draft_settings.pure_low_precision_warning()) is not None:
+            rank_zero_warn(warning)
 
     @property
     def target(self):
@@ -125,6 +133,11 @@ class DraftTrainingModule(pl.LightningModule):
     @property
     def placement(self) -> DraftPlacement:
         return draft_placement(self._trainer.strategy if self._trainer is not None else None)
+
+    @property
+    def master_compute_dtype(self) -> torch.dtype | None:
+        """The dtype a draft with fp32 masters computes in (None: its parameters are what it computes with)."""
+        return DTYPES[self.draft_settings.dtype] if self.draft_settings.master_copy else None
 
     def expert_range(self) -> tuple[int, int] | None:
         """This rank's slice of routed experts (None = all); an expert-parallel strategy decides."""
@@ -149,6 +162,18 @@ class DraftTrainingModule(pl.LightningModule):
     def training_record(self) -> dict[str, Any]:
         """How the draft was trained, as its checkpoint and export record it (default: nothing)."""
         return {}
+
+    def start_draft(self, draft: torch.nn.Module) -> None:
+        """Give ``draft`` (built, whole) the weights of ``model.draft.init_from`` when set (a family's
+        ``configure_model`` calls this before sharding): the same draft is checked first, the start is recorded. A
+        resumed run keeps the origin its checkpoint records (its weights come from the checkpoint)."""
+        path = self.draft_settings.init_from
+        if path is None or (self._trainer is not None and self.trainer.ckpt_path is not None):
+            return
+        start = read_draft_start(path)
+        check_same_draft(start, self.family, self.draft_config.to_dict())
+        start_draft_from(draft, start)
+        self.draft_origin = start.record()
 
     def checkpoint_record(self) -> dict[str, Any]:
         """What a checkpoint records of the draft besides its tensors (family, config, :meth:`training_record`)."""
@@ -194,10 +219,19 @@ class DraftTrainingModule(pl.LightningModule):
     @override
     def configure_optimizers(self):
         params, opt = self.trainable_parameters(), self.optimization
-        if self.optimizer_factory is not None:
-            optimizer = self.optimizer_factory(params)
+
+        def make(params):
+            if self.optimizer_factory is not None:
+                return self.optimizer_factory(params)
+            return torch.optim.AdamW(params, lr=opt.lr, betas=(0.9, 0.95), weight_decay=opt.weight_decay)
+
+        # a sharded draft's masters are its fp32 shards (FSDP2's mixed-precision policy): a plain optimizer over them
+        replicated_master = self.draft_settings.master_copy and not self.draft_settings.shard
+        if replicated_master:  # masters and their states partitioned over the ranks (ZeRO-1) when there are several
+            world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+            optimizer = MasterWeights(params, make, group=world)
         else:
-            optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=(0.9, 0.95), weight_decay=opt.weight_decay)
+            optimizer = make(params)
         if self.scheduler_factory is not None:
             scheduler = self.scheduler_factory(optimizer)
         else:
@@ -219,6 +253,7 @@ class DraftTrainingModule(pl.LightningModule):
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.check_resume(checkpoint)  # brings the keys of an older layout to the shared ones first
+        self.draft_origin = checkpoint.get(keys.DRAFT_ORIGIN, self.draft_origin)
         if keys.RNG_STATES in checkpoint and self._trainer is not None and self.trainer.state.fn == "fit":
             _set_rng_states(rng_states_from_checkpoint(checkpoint[keys.RNG_STATES]))
         if self._trainer is not None:  # another world size or batch size: loop counters in this run's micro-batches

@@ -200,8 +200,9 @@ class DSparkModule(DraftTrainingModule):
         self._embedding = weight.to(dtype=DTYPES[settings.dtype])
         draft = build_on_meta(self._build_draft)
         self.draft = materialize(draft, device, DTYPES[settings.dtype], settings.init_seed)
+        self.start_draft(self.draft)
         if settings.shard:  # after the init: every rank starts from the same whole drafter, then keeps its shard
-            shard_draft(self.draft, draft_mesh(self._trainer))
+            shard_draft(self.draft, draft_mesh(self._trainer), compute_dtype=self.master_compute_dtype)
 
     def refuse_unsupported_run(self, stage: str) -> None:
         refuse_unsupported_target_run(self)

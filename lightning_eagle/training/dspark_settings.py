@@ -10,13 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_eagle import backends
-from lightning_eagle.run_settings import (
-    DRAFT_DTYPES,
-    KV_CACHES,
-    MODEL_GROUPS,
-    choice,
-    flag,
-)
+from lightning_eagle.run_settings import KV_CACHES, MODEL_GROUPS, DraftTrainingSettings, choice
 from lightning_eagle.settings import DEFAULT_LOSS_CHUNK, check_positive_int_or_none, check_settings
 
 # DSpark draft config fields that other settings own (the draft config is built from them and the target's config).
@@ -30,7 +24,7 @@ DSPARK_CONFIG_ELSEWHERE = {
 
 
 @dataclass(frozen=True)
-class DSparkDraftSettings:
+class DSparkDraftSettings(DraftTrainingSettings):
     """``model.draft`` of a DSpark run: the block drafter and how it is built and run.
 
     ``preset``: the architecture to start from (``"k3"``: vLLM's K3 DSpark layout; ``"k3-tiny"``: the quickstart
@@ -39,20 +33,17 @@ class DSparkDraftSettings:
     here. ``block_chunk``: anchors per attention call (None: all at once); ``kv_cache``: ``"latent"`` keys (what vLLM
     caches) or the ``"expanded"`` twin; ``activation_checkpointing``: keep only each layer's input and recompute the
     layer in the backward (long rows); ``shard``: FSDP2-shard the drafter's parameters, gradients and AdamW states
-    over all ranks (as EAGLE-3's ``model.draft.shard``); ``init_seed``: the random init, the same on every rank;
-    ``dtype``: the training dtype.
+    over all ranks (as EAGLE-3's ``model.draft.shard``); and the fields every family has
+    (:class:`~lightning_eagle.run_settings.DraftTrainingSettings`: dtype, master weights, init seed, ``init_from``).
     """
 
     preset: str = "k3"
     config: dict[str, Any] | None = None
     block_chunk: int | None = 64
     kv_cache: Literal[KV_CACHES] = "latent"
-    activation_checkpointing: bool = False
-    shard: bool = False
-    init_seed: int = 0
-    dtype: Literal[DRAFT_DTYPES] = "float32"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not isinstance(self.preset, str) or not self.preset:
             raise ValueError(f"model.draft.preset must be a DSpark preset name ('k3', 'k3-tiny'), got {self.preset!r}")
         if self.config is not None and not isinstance(self.config, Mapping):
@@ -64,10 +55,6 @@ class DSparkDraftSettings:
         object.__setattr__(self, "config", dict(self.config or {}))
         check_positive_int_or_none("model.draft.block_chunk", self.block_chunk, "anchors per call", "all at once")
         choice("model.draft.kv_cache", self.kv_cache, KV_CACHES)
-        choice("model.draft.dtype", self.dtype, DRAFT_DTYPES)
-        flag("model.draft.shard", self.shard)
-        flag("model.draft.activation_checkpointing", self.activation_checkpointing)
-        check_settings("model.draft", {"init_seed": (self.init_seed, "non_negative", int)})
 
     def __hash__(self) -> int:  # `config` is a dict: hash what identifies the settings
         config = tuple(sorted(self.config.items(), key=str))

@@ -140,8 +140,9 @@ class Eagle3Module(DraftTrainingModule):
         draft.set_vocab_mapping(
             mapping.selected if mapping is not None else torch.arange(self.draft_config.draft_vocab_size)
         )
+        self.start_draft(draft)
         if settings.shard:
-            shard_draft(draft, draft_mesh(self._trainer))
+            shard_draft(draft, draft_mesh(self._trainer), compute_dtype=self.master_compute_dtype)
         self.draft = draft
 
     def _data_vocabulary(self):
