@@ -8,7 +8,9 @@
 With ``--benchmarks`` / ``--context-lengths``: every set (:mod:`lightning_eagle.data.prompt_sets`) is decoded turn by
 turn (:func:`~lightning_eagle.inference.prompt_set_run.evaluate_prompt_set`), a progress bar per set; a Markdown table
 goes to stdout, ``acceptance.json`` and ``acceptance.png`` to ``--out`` (default: ``acceptance/`` beside the draft
-folder). ``--context-lengths`` adds the mean acceptance length on generated long prompts of those lengths
+folder); a draft with a confidence head (DSpark's) adds its calibration per block position to the table and the JSON
+and its reliability diagram as ``calibration.png`` (:mod:`lightning_eagle.inference.calibration`).
+``--context-lengths`` adds the mean acceptance length on generated long prompts of those lengths
 (:func:`~lightning_eagle.inference.prompt_set_run.context_length_prompts`), up to the target's
 ``max_position_embeddings``, prefilled in chunks. Without them: :func:`~lightning_eagle.inference.evaluate_acceptance`
 on ``--data`` (default the held-out split of the bundled corpus), with the plain-decoding speed-up.
@@ -195,7 +197,13 @@ def _card_report(
 
     from lightning_eagle.data.tokenizer_choice import resolve_tokenizer
     from lightning_eagle.inference.acceptance import evaluate_acceptance
-    from lightning_eagle.inference.prompt_set_report import markdown_table, plot_acceptance, write_json
+    from lightning_eagle.inference.prompt_set_report import (
+        calibration_table,
+        markdown_table,
+        plot_acceptance,
+        plot_calibration,
+        write_json,
+    )
     from lightning_eagle.inference.prompt_set_run import context_length_prompts, evaluate_prompt_set, set_summary
 
     tokenizer = resolve_tokenizer(args.tokenizer)
@@ -224,11 +232,17 @@ def _card_report(
         print(markdown_table(summaries))
     if context:
         print(("\n" if summaries else "") + markdown_table(context, title="context"))
+    for table in (calibration_table(summaries), calibration_table(context, title="context")):
+        if table:
+            print("\n" + table)
     out = Path(args.out) if args.out else Path(args.draft).resolve().parent / "acceptance"
     record = {"target": args.target, "draft": args.draft, "draft_family": family, "setting": setting,
               "sets": summaries, "context_lengths": context}  # fmt: skip
     print(f"\nwritten: {write_json(record, out / 'acceptance.json')}")
     print(f"written: {plot_acceptance(summaries, context, out / 'acceptance.png', setting)}")
+    reliability = plot_calibration(summaries or context, out / "calibration.png", setting)
+    if reliability is not None:
+        print(f"written: {reliability}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,11 @@ generation prompt (what a K3 server sees). The report pools all verification rou
   did not — 0 unless something is broken or two logits tie to fp32 rounding);
 * ``tau_analytic`` = mean over rounds of ``1 + Σ_k Π_{i≤k} (1 − TV_i)``, where the loop measures each drafted
   position's total variation between draft and target (the block loop; nan for chains): the τ rejection sampling
-  expects from the measured distributions, next to the measured ``tau``.
+  expects from the measured distributions, next to the measured ``tau``;
+* ``calibration``: where the draft has a confidence head (DSpark's), the ECE per block position of its predicted
+  acceptance against the observed one, cumulative (DeepSpec's) and conditional
+  (:func:`~lightning_eagle.inference.calibration.position_calibration`); None without confidences, and
+  ``confidence_unavailable`` says why when the loop knows (an export without its head).
 
 Long prompts: ``max_prompt_tokens`` skips prompts longer than the cap (each costs a target prefill of its length);
 those kept are prefilled ``prefill_chunk`` tokens per forward by both decodings, so memory grows linearly with the
@@ -41,6 +45,7 @@ from typing import Any
 import torch
 
 from lightning_eagle.data.prompts import resolve_prompts
+from lightning_eagle.inference.calibration import position_calibration
 from lightning_eagle.inference.decoding_settings import DEFAULT_DECODING, DecodingSettings, check_decoding
 from lightning_eagle.inference.draft_families import decoding_loop
 from lightning_eagle.inference.speculative import SpeculativeOutput, VerificationRounds
@@ -72,6 +77,9 @@ class AcceptanceReport(VerificationRounds):
     num_turns: int = 0  # prompts decoded: num_prompts, or more for multi-turn sets (one per user turn)
     # per round, each drafted position's total variation (block drafting measures it; empty for chains)
     tv_per_round: list[list[float]] = field(default_factory=list, repr=False)
+    # per round, a confidence head's per-slot predicted acceptance (empty without a head), and why none was recorded
+    confidence_per_round: list[list[float]] = field(default_factory=list, repr=False)
+    confidence_unavailable: str | None = None
 
     @classmethod
     def pooled(cls, outputs: list[tuple[int, SpeculativeOutput]], **settings: Any) -> AcceptanceReport:
@@ -89,6 +97,10 @@ class AcceptanceReport(VerificationRounds):
             prompt_tokens=sum(length for length, _ in outputs),
             num_turns=len(outputs),
             tv_per_round=[tvs for _, out in outputs for tvs in out.tv_per_round],
+            confidence_per_round=[cs for _, out in outputs for cs in out.confidence_per_round],
+            confidence_unavailable=next(
+                (o.confidence_unavailable for _, o in outputs if o.confidence_unavailable), None
+            ),
             **settings,
         )
 
@@ -111,6 +123,11 @@ class AcceptanceReport(VerificationRounds):
         K = self.num_draft_tokens
         per_position = [sum(a >= j for a in self.accepted_per_round) for j in range(1, K + 1)]
         return engine_acceptance(self.num_rounds, K * self.num_rounds, per_position)
+
+    @property
+    def calibration(self) -> dict[str, Any] | None:
+        """The confidence head's calibration per block position (module docstring); None without confidences."""
+        return position_calibration(self.confidence_per_round, self.accepted_per_round)
 
     @property
     def spec_tokens_per_s(self) -> float:
@@ -145,6 +162,7 @@ class AcceptanceReport(VerificationRounds):
             "acceptance_at_least",
             "acceptance_per_position",
             "engine",
+            "calibration",
             "spec_tokens_per_s",
             "spec_tokens_per_target_s",
             "plain_tokens_per_s",
@@ -179,6 +197,14 @@ class AcceptanceReport(VerificationRounds):
             lines.append(f"greedy mismatches vs plain decoding    {self.greedy_mismatches}")
         if self.tv_per_round:
             lines.append(f"tau_analytic (1 + sum_k prod (1 - TV_i))  {fmt(self.tau_analytic)}")
+        calibration = self.calibration
+        if calibration is not None:
+            bins = calibration["bins"]
+            for name, label in (("cumulative", "prod c_1..c_j vs 1..j accepted"), ("conditional", "c_j vs j | 1..j-1")):
+                ece = calibration[name]["ece_per_position"]
+                lines.append(f"confidence ECE ({label}, {bins} bins)  " + " ".join(fmt(e) for e in ece))
+        elif self.confidence_unavailable:
+            lines.append(f"confidence calibration unavailable: {self.confidence_unavailable}")
         return "\n".join(lines)
 
 

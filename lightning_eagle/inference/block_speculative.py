@@ -31,7 +31,11 @@ first K are verified. ``accepted_per_round`` records a per round (0..K), so τ =
 target's distributions at that position (both conditioned on the drafted prefix): at ``temperature > 0`` those the
 sampling and the verification use, at 0 the untempered ones (temperature 1, what training's ``tau_sim`` compares).
 ``1 + Σ_k Π_{i≤k} (1 − TV_i)`` is then the expected tokens per round of rejection sampling along that path
-(:attr:`~lightning_eagle.inference.speculative.SpeculativeOutput.tau_analytic`).
+(:attr:`~lightning_eagle.inference.speculative.SpeculativeOutput.tau_analytic`). With a confidence head,
+``confidence_per_round`` keeps each round's ``c_k = σ(w·[h_k ; markov_w1[x_{k−1}]])`` of the K verified slots, the
+previous token being the anchor for slot 0 and then the token drafted before (DeepSpec's evaluator,
+``deepspec/eval/dspark/draft_ops.py``): what the acceptance report calibrates against the accepted count
+(:mod:`~lightning_eagle.inference.calibration`); an export without the head records none and says why.
 """
 
 from __future__ import annotations
@@ -145,6 +149,10 @@ def block_speculative_generate(
     session, prompt, gen, stop = open_session(target, prompt_ids, seed, stop_token_ids, ids, stream)
     embed, lm_head = target.model.embed_tokens, target.lm_head
     out = SpeculativeOutput(tokens=[], accepted_per_round=[], num_draft_tokens=K)
+    if drafter.confidence_head is None:
+        out.confidence_unavailable = (
+            "the DSpark draft has no confidence head (its config: enable_confidence_head false)"
+        )
     if max_new_tokens == 0:
         return out
 
@@ -176,6 +184,9 @@ def block_speculative_generate(
         out.target_forwards += 1
         out.accepted_per_round.append(accepted)
         out.tv_per_round.append(total_variation(draft.logits[0], logits[:K], temperature))  # a metric: untimed
+        if drafter.confidence_head is not None:  # c_k of each verified slot, from the token before it (untimed)
+            previous = torch.cat([anchor, drafted[:-1]])
+            out.confidence_per_round.append(torch.sigmoid(drafter.confidence_logits(slots[0], previous)).tolist())
         # 4. the verified positions' target states join the context; c is the next anchor
         t3 = time.perf_counter()
         going = out.emit(drafted[:accepted].tolist() + [token], stop, max_new_tokens)

@@ -18,13 +18,17 @@ class DraftProposal:
     """One chain of proposals for a batch of one row.
 
     ``tokens`` are *target* ids ``[K]`` (draft id + ``d2t[draft id]``); ``probs`` the draft's sampling distributions
-    ``[K, N_d]`` over the draft vocabulary (None at temperature 0); ``draft_ids`` ``[K]``; ``logits`` ``[K, N_d]``.
+    ``[K, N_d]`` over the draft vocabulary (None at temperature 0); ``draft_ids`` ``[K]``; ``logits`` ``[K, N_d]``;
+    ``confidences`` ``[K]``: a confidence head's predicted acceptance of each slot (None: the draft has no head, e.g.
+    EAGLE-3); the loop only records them, for the calibration the acceptance report measures
+    (:mod:`~lightning_eagle.inference.calibration`).
     """
 
     tokens: torch.Tensor
     draft_ids: torch.Tensor
     probs: torch.Tensor | None
     logits: torch.Tensor
+    confidences: torch.Tensor | None = None
 
 
 class Drafter(Protocol):

@@ -82,7 +82,9 @@ def evaluate_prompt_set(
 def set_summary(report: AcceptanceReport) -> dict[str, Any]:
     """The numbers a draft card reports for one set, from one report: vLLM's mean acceptance length
     (``1 + accepted / drafts``), the conditional per-position acceptance P(draft j | 1..j−1 accepted), vLLM's
-    per-position and draft acceptance rates, prompts, turns, tokens, and the wall clock split draft vs target."""
+    per-position and draft acceptance rates, prompts, turns, tokens, the wall clock split draft vs target, and the
+    confidence head's calibration per block position (:mod:`~lightning_eagle.inference.calibration`; None without
+    a head, ``calibration_unavailable`` saying why when the loop knows)."""
     engine = report.engine
     spent = report.spec_draft_seconds + report.spec_target_seconds
     return {
@@ -101,6 +103,8 @@ def set_summary(report: AcceptanceReport) -> dict[str, Any]:
         "num_draft_tokens": report.num_draft_tokens,
         "temperature": report.temperature,
         "top_p": report.top_p,
+        "calibration": report.calibration,
+        "calibration_unavailable": report.confidence_unavailable,
     }
 
 

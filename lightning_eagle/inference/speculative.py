@@ -110,6 +110,9 @@ class SpeculativeOutput(VerificationRounds):
     draft_seconds: float = 0.0  # time in draft extend/propose
     stopped: bool = False  # ended on a stop token
     tv_per_round: list[list[float]] = field(default_factory=list, repr=False)  # block loop only (VerificationRounds)
+    # per round, a confidence head's predicted acceptance of each drafted slot (empty for a draft without a head)
+    confidence_per_round: list[list[float]] = field(default_factory=list, repr=False)
+    confidence_unavailable: str | None = None  # why a loop that records confidences could not (e.g. no head)
 
     def emit(self, new_tokens: list[int], stop: set[int], max_new_tokens: int) -> bool:
         """Append ``new_tokens`` up to the first stop token and the budget; True while generation goes on."""
@@ -287,6 +290,8 @@ def speculative_generate(
         t2 = time.perf_counter()
         out.target_forwards += 1
         out.accepted_per_round.append(accepted)
+        if proposal.confidences is not None:  # a drafter with a confidence head: recorded for calibration
+            out.confidence_per_round.append(proposal.confidences.float().tolist())
         new = drafted[:accepted].tolist() + [token]
         if out.emit(new, stop, max_new_tokens):
             drafter.extend(step.aux_hidden_states[:, : accepted + 1], torch.tensor([new], device=device))
