@@ -96,9 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         runs = compare(args.family, args.steps, Path(tmp), args.lr)
     print(f"{args.family}, {args.steps} steps at lr {args.lr:g} (loss: mean of the last tenth of the steps)")
-    print(
-        f"{'recipe':<12} {'loss':>8} {'vs fp32':>8} {'tau_sim':>8} {'vs fp32':>8} {'gains moved':>12} {'weights moved':>14}"
-    )
+    header = ("recipe", "loss", "vs fp32", "tau_sim", "vs fp32", "gains moved", "weights moved")
+    print("{:<12} {:>8} {:>8} {:>8} {:>8} {:>12} {:>14}".format(*header))
     for name, r in runs.items():
         gains = "-" if r["norm_gains_moved"] is None else f"{r['norm_gains_moved']:.1%}"
         print(f"{name:<12} {r['loss']:8.4f} {r['loss_gap']:8.2%} {r['tau_sim']:8.3f} {r['tau_gap']:8.2%} "
