@@ -18,6 +18,7 @@ from the target config). This is a plain dataclass, not a ``PretrainedConfig``: 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,11 @@ DEFAULT_DRAFT_VOCAB_SIZE = 32000
 TRAINING_SETTINGS = ("ttt_steps", "step_decay")
 ARCHITECTURES = ("k3", "deepseek_mla")
 DEFAULT_ROPE_THETA = 10000.0  # every engine's default base (vLLM's Eagle3 head falls back to it, see serving_format)
+# The std of the initial weights, as SpecForge (the EAGLE-3 reference trainer) initialises its drafts: its
+# ``Eagle3DraftModel`` is a transformers ``PreTrainedModel`` whose ``post_init()`` runs ``_init_weights`` (every
+# Linear/Embedding weight N(0, config.initializer_range), biases 0, RMSNorm gains 1; specforge/modeling/draft/
+# base.py, llama3_eagle.py), and every EAGLE-3 draft config it ships says 0.02 (configs/*-eagle3.json).
+DEFAULT_INITIALIZER_RANGE = 0.02
 
 # Fields a draft takes over from the target text config unless overridden.
 FIELDS_FROM_TARGET = (
@@ -83,6 +89,10 @@ class Eagle3DraftConfig:
     None = the target's) apply to ``deepseek_mla`` only; the K3 draft is NoPE. A ``deepseek_mla`` draft has
     ``hidden_act="silu"``, ``mla_use_nope=False`` and ``mla_use_output_gate=False``
     (:meth:`from_target_config` sets them).
+
+    ``initializer_range``: the std of the initial ``fc`` / attention / MLP / ``lm_head`` weights (all N(0, std), norm
+    gains 1: :meth:`~lightning_eagle.draft.KimiK3Eagle3Draft.init_module`), SpecForge's rule and default
+    (:data:`DEFAULT_INITIALIZER_RANGE`).
     """
 
     hidden_size: int = 7168
@@ -117,6 +127,7 @@ class Eagle3DraftConfig:
     rope_theta: float = DEFAULT_ROPE_THETA
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int | None = None
+    initializer_range: float = DEFAULT_INITIALIZER_RANGE
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -160,6 +171,9 @@ class Eagle3DraftConfig:
             )
         if self.aux_stream is not None and self.aux_stream not in AUX_STREAMS:
             raise ValueError(f"aux_stream must be one of {AUX_STREAMS}, got {self.aux_stream!r}")
+        std = self.initializer_range
+        if isinstance(std, bool) or not isinstance(std, (int, float)) or not (math.isfinite(std) and std > 0):
+            raise ValueError(f"initializer_range must be a positive finite number, got {std!r}")
         if self.aux_layer_ids is not None:
             validate_taps(self.aux_layer_ids, self.target_num_hidden_layers, NUM_AUX_HIDDEN_STATES, why=TAP_REASONS)
 

@@ -51,6 +51,7 @@ from lightning_eagle.backends import BackendSetting
 from lightning_eagle.draft.deepseek_mla import DeepseekMLAAttention, SwiGLUMLP
 from lightning_eagle.draft.dspark_attention import ATTENTION_FORMS
 from lightning_eagle.draft.dspark_config import DSparkDraftConfig
+from lightning_eagle.draft.materialize import normal_init
 from lightning_eagle.ops.mla import MLA_BACKEND
 from lightning_eagle.ops.norm import K3RMSNorm
 from lightning_eagle.run_settings import check_kv_cache
@@ -191,6 +192,14 @@ class DSparkDrafter(nn.Module):
         self.final_norm = K3RMSNorm(H, eps=eps)
         self.markov_head = MarkovHead(config.vocab_size, config.markov_rank)
         self.confidence_head = ConfidenceHead(H + config.markov_rank) if config.enable_confidence_head else None
+
+    def init_module(self, module: nn.Module) -> None:
+        """Initialise ``module``'s own parameters (one of this drafter's modules) as DeepSpec does: every Linear and
+        Embedding weight N(0, ``config.initializer_range``), the Markov head's and the confidence head's included,
+        biases 0, norm gains 1 (:func:`~lightning_eagle.draft.materialize.normal_init`;
+        :data:`~lightning_eagle.draft.dspark_config.DEFAULT_INITIALIZER_RANGE` cites it). What
+        :func:`~lightning_eagle.draft.materialize.materialize` runs."""
+        normal_init(module, self.config.initializer_range)
 
     def fsdp_units(self) -> list[nn.Module]:
         """What ``model.draft.shard`` makes FSDP2 units: ``context_proj``, ``context_norm``, each decoder layer,

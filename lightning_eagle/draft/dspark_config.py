@@ -32,6 +32,13 @@ from lightning_eagle.ops.rotary import normalize_rope_scaling
 from lightning_eagle.settings import is_int
 
 DSPARK_HIDDEN_ACT = "silu"  # KimiMLP of the DSpark layer: SiLU gate/up/down (vLLM passes config.hidden_act)
+# The std of the initial weights, as DeepSpec (the DSpark reference trainer) initialises its drafters: its
+# ``Qwen3DSparkModel`` is a transformers ``PreTrainedModel`` whose ``post_init()`` runs ``_init_weights`` over every
+# module, Markov head (``markov_w1`` embedding, ``markov_w2``) and confidence head included: Linear/Embedding weights
+# N(0, config.initializer_range), biases 0, RMSNorm gains 1, no per-module exception
+# (deepspec/modeling/dspark/qwen3/modeling.py, markov_head.py, common.py ``AcceptRatePredictor``); the draft config
+# is a copy of the target's (qwen3/config.py ``build_draft_config``): Qwen3's ``initializer_range``, 0.02.
+DEFAULT_INITIALIZER_RANGE = 0.02
 _POSITIVE_INTS = (
     "hidden_size",
     "intermediate_size",
@@ -58,7 +65,9 @@ class DSparkDraftConfig:
     number of slots of a block (= vLLM's ``num_speculative_tokens``); slot 0 holds the anchor token, slots 1..g-1
     ``mask_token_id``. ``markov_rank`` is r of the Markov head ``W1 [V,r]``, ``W2 [r,V]``.
     ``enable_confidence_head`` adds ``Linear([h ; W1[x_prev]] -> 1)`` (vLLM loads it only with this flag).
-    ``target_num_hidden_layers`` (None: unknown) bounds the taps."""
+    ``target_num_hidden_layers`` (None: unknown) bounds the taps. ``initializer_range``: the std of the initial
+    weights (:meth:`~lightning_eagle.draft.dspark.DSparkDrafter.init_module`), DeepSpec's rule and default
+    (:data:`DEFAULT_INITIALIZER_RANGE`)."""
 
     hidden_size: int
     intermediate_size: int
@@ -83,6 +92,7 @@ class DSparkDraftConfig:
     target_num_hidden_layers: int | None = None
     aux_stream: str = "prefix"
     hidden_act: str = DSPARK_HIDDEN_ACT
+    initializer_range: float = DEFAULT_INITIALIZER_RANGE
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:
@@ -103,6 +113,9 @@ class DSparkDraftConfig:
             )
         if not isinstance(self.enable_confidence_head, bool):
             raise ValueError(f"enable_confidence_head must be a bool, got {self.enable_confidence_head!r}")
+        std = self.initializer_range
+        if isinstance(std, bool) or not isinstance(std, (int, float)) or not (math.isfinite(std) and std > 0):
+            raise ValueError(f"initializer_range must be a positive finite number, got {std!r}")
         eps, theta = self.rms_norm_eps, self.rope_theta
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
             raise ValueError(f"rms_norm_eps must be a positive finite number, got {eps!r}")

@@ -21,6 +21,7 @@ from torch import nn
 from lightning_eagle.draft.cache import TTTCache
 from lightning_eagle.draft.config import Eagle3DraftConfig
 from lightning_eagle.draft.latent_attention import DEFAULT_KV_CACHE, LatentKV, latent_ttt_attention
+from lightning_eagle.draft.materialize import normal_init
 from lightning_eagle.draft.pretrained import check_export
 from lightning_eagle.draft.ttt_attention import get_ttt_attention
 from lightning_eagle.ops.mla import NoPEMLA
@@ -234,6 +235,13 @@ class KimiK3Eagle3Draft(nn.Module):
         self.kv_cache = kv_cache
         if config.freeze_embeddings:
             self.freeze_embeddings()
+
+    def init_module(self, module: nn.Module) -> None:
+        """Initialise ``module``'s own parameters (one of this draft's modules) as SpecForge does: every Linear weight
+        N(0, ``config.initializer_range``), norm gains 1 (:func:`~lightning_eagle.draft.materialize.normal_init`;
+        :data:`~lightning_eagle.draft.config.DEFAULT_INITIALIZER_RANGE` cites it). What
+        :func:`~lightning_eagle.draft.materialize.materialize` runs; the frozen embedding is the target's."""
+        normal_init(module, self.config.initializer_range)
 
     # ---- knobs -------------------------------------------------------------------------------------------------------
     @property

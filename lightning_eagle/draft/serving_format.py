@@ -96,6 +96,7 @@ _PLAIN_FIELDS = (
     "aux_stream",
     "target_num_hidden_layers",
     "freeze_embeddings",
+    "initializer_range",
 )
 
 
@@ -284,6 +285,7 @@ _ENGINE_PROJECT_FIELDS = (
     "aux_stream",
     "target_num_hidden_layers",
     "freeze_embeddings",
+    "initializer_range",  # also a field of the engines' DeepseekV3Config (how a fresh model is initialised)
 )
 DEFAULT_MAX_POSITION_EMBEDDINGS = 4096  # HF DeepseekV3Config's default, used when neither draft nor target says
 

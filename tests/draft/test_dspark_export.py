@@ -76,7 +76,7 @@ def test_every_config_field_survives_config_json():
 
     off_default = {"markov_rank": 8, "enable_confidence_head": False, "rms_norm_eps": 1e-6, "rope_theta": 9e4,
                    "rope_scaling": YARN, "max_position_embeddings": 8192, "target_num_hidden_layers": 7,
-                   "aux_stream": "mixed"}  # fmt: skip
+                   "aux_stream": "mixed", "initializer_range": 0.01}  # fmt: skip
     config = dspark_config_from_preset("k3-tiny", **off_default)
     defaults = {f.name: f.default for f in dataclasses.fields(DSparkDraftConfig)}
     changed = {name for name in defaults if getattr(config, name) != defaults[name]}
