@@ -268,13 +268,19 @@ class KimiK3Eagle3Draft(nn.Module):
             )
         self._kv_cache = name
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the draft computes in: its frozen embedding's (under FSDP2 mixed precision the trained weights
+        are fp32 shards between their bf16 gathers, so their dtype is not it)."""
+        return self.embed_tokens.weight.dtype
+
     # ---- the four pieces of a TTT step ----------------------------------------------------------------------------
     def project(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """``fc`` (+ per-chunk ``fc_norm``) over the concatenated aux states ``[B,T,3H_t]`` → ``[B,T,H]``."""
         if self.config.fc_norm:
             chunks = aux_hidden_states.chunk(self.config.num_aux_hidden_states, dim=-1)
             aux_hidden_states = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
-        return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+        return self.fc(aux_hidden_states.to(self.compute_dtype))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
