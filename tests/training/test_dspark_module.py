@@ -197,8 +197,8 @@ def test_a_dspark_checkpoint_is_refused_by_an_eagle3_resume_and_back(tmp_path):
 
     module = _module("plain")
     record = module.checkpoint_record()
-    assert record[keys.DRAFT_FAMILY] == "dspark" and set(record) == {keys.DRAFT_FAMILY, keys.DRAFT_CONFIG,
-                                                                     keys.DRAFT_TRAINING, keys.DRAFT_ORIGIN}  # fmt: skip
+    recorded = {keys.DRAFT_FAMILY, keys.DRAFT_CONFIG, keys.DRAFT_TRAINING, keys.DRAFT_ORIGIN}
+    assert record[keys.DRAFT_FAMILY] == "dspark" and set(record) == recorded
     assert record[keys.DRAFT_ORIGIN] is None  # a run that did not start from an earlier draft
     with pytest.raises(ValueError, match="names no draft family"):
         module.check_resume({})

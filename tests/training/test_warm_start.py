@@ -119,7 +119,8 @@ def test_a_run_continues_a_draft_onto_a_new_target_and_records_where_it_started(
                                               "start 64, this run 96)"),
         ("dspark", {"taps": (1, 2, 4)}, "the start's taps differ from this run's (aux_layer_ids: start [1, 3, 4], "
                                         "this run [1, 2, 4])"),
-        ("dspark", {"markov_rank": 16}, "the start's architecture differs from this run's (markov_rank: start 32, this run 16)"),
+        ("dspark", {"markov_rank": 16}, "the start's architecture differs from this run's (markov_rank: start 32, "
+                                        "this run 16)"),
     ],
 )  # fmt: skip
 def test_a_start_of_another_architecture_or_taps_is_refused_by_name(family, change, message, tmp_path):
@@ -135,8 +136,8 @@ def test_a_start_of_another_vocabulary_or_family_is_refused_by_name(tmp_path):
     _, export, checkpoint = _start("eagle3", tmp_path)
     module = _eagle(checkpoint)
     mapping = type("Map", (), {"selected": torch.arange(320)})()  # a 320-token draft vocabulary, the start's has 512
-    with pytest.raises(ValueError, match=r"the start's vocabulary differs from this run's \(draft_vocab_size: start 512, "
-                                         r"this run 320\)"):  # fmt: skip
+    refused = r"the start's vocabulary differs from this run's \(draft_vocab_size: start 512, this run 320\)"
+    with pytest.raises(ValueError, match=refused):
         module.configure_model(vocab_mapping=mapping)
     saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
     saved["state_dict"]["draft.d2t"][:10] += 3  # the same size, other tokens
