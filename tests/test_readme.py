@@ -46,7 +46,7 @@ def test_readme_setup_is_the_two_commands_and_ci_runs_the_second():
     assert tests == "python -m pytest tests notebooks"
     assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
     # the quickstart's measured curve stays next to the command that produces it
-    assert "3.5 → 5.0 → 5.7" in setup and "2.4 → 4.1 → 4.9" in setup
+    assert "2.6 → 4.1 → 4.7" in setup and "1.7 → 3.1 → 3.8" in setup
 
 
 def test_readme_shows_the_two_families_side_by_side():
