@@ -40,7 +40,7 @@ from lightning_eagle.draft.family import LayerRecords, default_family, load_all_
 from lightning_eagle.dtypes import DTYPES
 from lightning_eagle.parallel.frozen_target import parallelism_of
 from lightning_eagle.parallel.layout import DraftPlacement, draft_placement
-from lightning_eagle.run_settings import as_settings
+from lightning_eagle.run_settings import DraftTrainingSettings, as_settings
 from lightning_eagle.training import draft_checkpoint as ckpt
 from lightning_eagle.training.finite import stop_unless_finite, updated_weights_sum
 from lightning_eagle.training.master_weights import MasterWeights
@@ -99,6 +99,11 @@ class DraftTrainingModule(pl.LightningModule):
             if not isinstance(getattr(cls, "settings_groups", None), Mapping):
                 raise TypeError(f"{cls.__name__} (draft family {name!r}) must set settings_groups: model.<group> → its "
                                 "settings type")  # fmt: skip
+            draft = cls.settings_groups.get("draft")
+            if not (isinstance(draft, type) and issubclass(draft, DraftTrainingSettings)):
+                raise TypeError(f"{cls.__name__} (draft family {name!r}): settings_groups['draft'] must derive from "
+                                f"run_settings.DraftTrainingSettings (dtype, shard, init_seed, master_weights, "
+                                f"init_from: what every family's draft has), got {draft!r}")  # fmt: skip
             known = TRAINING_FAMILIES.get(name)
             if known is not None and (known.__module__, known.__qualname__) == (cls.__module__, cls.__qualname__):
                 TRAINING_FAMILIES.pop(name)  # the same class defined again (its module imported twice): the newer

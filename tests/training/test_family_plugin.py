@@ -28,7 +28,7 @@ from lightning_eagle.inference.drafter import DraftProposal
 from lightning_eagle.inference.speculative import speculative_generate
 from lightning_eagle.k3.target_spec import TargetSpec
 from lightning_eagle.parallel.frozen_target import root_device
-from lightning_eagle.run_settings import OptimizationSettings, TargetSettings
+from lightning_eagle.run_settings import DraftTrainingSettings, OptimizationSettings, TargetSettings
 from lightning_eagle.training.draft_checkpoint import draft_state
 from lightning_eagle.training.draft_training import TRAINING_FAMILIES, DraftTrainingModule
 from lightning_eagle.training.target_source import target_source
@@ -111,10 +111,7 @@ def _load_export(folder, target, dtype, device) -> ToyDrafter:
 
 # ---- the training layer: settings and the LightningModule ---------------------------------------------------------
 @frozen
-class ToyDraftSettings:
-    init_seed: int = 0
-    dtype: str = "float32"
-    shard: bool = False
+class ToyDraftSettings(DraftTrainingSettings):  # dtype, shard, init_seed, master weights, init_from: every family's
     bigram_rank: int = 0  # a family's own draft setting: never mistaken for an old flat key
 
 

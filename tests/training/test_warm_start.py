@@ -88,8 +88,7 @@ class _AtStart(pl.Callback):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["eagle3", "dspark"])
-@pytest.mark.parametrize("kind", ["export", "checkpoint"])
+@pytest.mark.parametrize(("family", "kind"), [("eagle3", "export"), ("dspark", "checkpoint")])
 def test_a_run_continues_a_draft_onto_a_new_target_and_records_where_it_started(family, kind, tmp_path, new_target):
     trained, export, checkpoint = _start(family, tmp_path)
     start = export if kind == "export" else checkpoint
