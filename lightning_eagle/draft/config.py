@@ -18,12 +18,12 @@ from the target config). This is a plain dataclass, not a ``PretrainedConfig``: 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_eagle.aux_layers import AUX_STREAMS, renamed_fields, resolve_default_aux_layer_ids
 from lightning_eagle.aux_layers import validate_aux_layer_ids as validate_taps
+from lightning_eagle.draft.materialize import check_initializer_range
 from lightning_eagle.settings import check_mla_heads_and_widths
 
 NUM_AUX_HIDDEN_STATES = 3  # EAGLE-3 taps three target layers (fixed)
@@ -171,9 +171,7 @@ class Eagle3DraftConfig:
             )
         if self.aux_stream is not None and self.aux_stream not in AUX_STREAMS:
             raise ValueError(f"aux_stream must be one of {AUX_STREAMS}, got {self.aux_stream!r}")
-        std = self.initializer_range
-        if isinstance(std, bool) or not isinstance(std, (int, float)) or not (math.isfinite(std) and std > 0):
-            raise ValueError(f"initializer_range must be a positive finite number, got {std!r}")
+        check_initializer_range(self.initializer_range)
         if self.aux_layer_ids is not None:
             validate_taps(self.aux_layer_ids, self.target_num_hidden_layers, NUM_AUX_HIDDEN_STATES, why=TAP_REASONS)
 

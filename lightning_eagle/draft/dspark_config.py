@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_eagle.aux_layers import AUX_STREAMS, renamed_fields, validate_aux_layer_ids
+from lightning_eagle.draft.materialize import check_initializer_range
 from lightning_eagle.ops.rotary import normalize_rope_scaling
 from lightning_eagle.settings import is_int
 
@@ -113,9 +114,7 @@ class DSparkDraftConfig:
             )
         if not isinstance(self.enable_confidence_head, bool):
             raise ValueError(f"enable_confidence_head must be a bool, got {self.enable_confidence_head!r}")
-        std = self.initializer_range
-        if isinstance(std, bool) or not isinstance(std, (int, float)) or not (math.isfinite(std) and std > 0):
-            raise ValueError(f"initializer_range must be a positive finite number, got {std!r}")
+        check_initializer_range(self.initializer_range)
         eps, theta = self.rms_norm_eps, self.rope_theta
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
             raise ValueError(f"rms_norm_eps must be a positive finite number, got {eps!r}")

@@ -14,6 +14,7 @@ defaults: ``nn.Linear``'s Kaiming-uniform, ``nn.Embedding``'s N(0, 1), ones for 
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Iterable
 
@@ -24,6 +25,12 @@ from torch import nn
 def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
     with torch.device("meta"):
         return factory()
+
+
+def check_initializer_range(std: object) -> None:
+    """A draft config's ``initializer_range`` (the std :func:`normal_init` draws with): a positive finite number."""
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or not (math.isfinite(std) and std > 0):
+        raise ValueError(f"initializer_range must be a positive finite number, got {std!r}")
 
 
 @torch.no_grad()

@@ -126,6 +126,11 @@ class PlanInputs:
         return self.draft_settings.master_copy
 
     @property
+    def masters_partitioned(self) -> bool:
+        """A replicated draft's fp32 masters and their AdamW states split over several ranks (ZeRO-1)."""
+        return self.master_weights and not self.draft_shard and self.world > 1
+
+    @property
     def stored_bytes(self) -> int:
         """Bytes per trained parameter as stored (and its gradient, and each AdamW state when :attr:`state_bytes` is
         the same): fp32 shards of a sharded draft with masters, else the draft's dtype."""

@@ -114,13 +114,13 @@ def stepped_numel(inputs: PlanInputs, draft: DraftShapes) -> int:
     """Elements of the trained parameters whose optimizer states (and fp32 masters) one rank holds: its shard of a
     sharded draft; of a replicated draft with masters over several ranks, its partition (whole tensors, largest first
     to the least loaded rank: at most the mean plus the largest tensor); else all of them."""
-    if inputs.master_weights and not inputs.draft_shard and inputs.world > 1:
+    if inputs.masters_partitioned:
         return min(draft.trainable, -(-draft.trainable // inputs.world) + draft.largest_trainable)
     return shard(draft.trainable, inputs)
 
 
 def partitioned_note(inputs: PlanInputs) -> str:
-    if inputs.master_weights and not inputs.draft_shard and inputs.world > 1:
+    if inputs.masters_partitioned:
         return f", partitioned over {inputs.world} ranks (at most the mean + the largest tensor)"
     return ""
 
