@@ -37,6 +37,7 @@ from lightning_eagle.commands.arguments import RunParser
 from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.draft.family import default_family, load_all_families
 from lightning_eagle.errors import DEBUG_ENV, RunError, debug_requested
+from lightning_eagle.features.engine_client import EngineError
 from lightning_eagle.run_settings import MODEL_GROUPS, refuse_flat_model_keys
 from lightning_eagle.training.draft_training import DraftTrainingModule, module_class, training_family
 from lightning_eagle.training.preemption import PreemptionCheckpoint
@@ -51,6 +52,7 @@ _CHAT_DATA = "lightning_eagle.data.datamodule.ChatDataModule"
 COMMANDS = {
     "export": ("export", "Write a trained draft for serving", False),
     "dump": ("dump", "Store the frozen target's features once, to train drafts without it", True),
+    "extract": ("extract", "Store the target's features as a vLLM engine captures them (extract_hidden_states)", True),
     "data-report": (
         "data_report",
         "Rows, refusals, lengths, roles and draft-vocab coverage of the config's data",
@@ -62,7 +64,7 @@ COMMANDS = {
 }
 # Errors that mean "the input is wrong", not "the library is broken": shown as one line without a traceback.
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
-               PermissionError, MisconfigurationException, RunError)  # fmt: skip
+               PermissionError, MisconfigurationException, RunError, EngineError)  # fmt: skip
 
 
 class RunCLI(LightningCLI):

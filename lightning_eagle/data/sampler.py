@@ -19,6 +19,10 @@ last in the epoch). The world then takes whole batches: after ``consumed`` rows,
 shared as above (``[r::W]``). A rank's i-th row is again a function of ``(consumed, i, W, r)`` alone, so resuming is
 exact on any world size; the order depends on B, so a bucketed position refuses another batch size.
 
+Segments (``segments=[0, b_1, …, N]``: rows that become available together, e.g. the shards a producer is still
+writing) keep the epoch in segment order and shuffle only within each segment, so a reader never waits for a row of a
+later segment while an earlier one is unfinished; a position saved with segments refuses other segments.
+
 :class:`ResumableDataLoader` counts the rows its iterator has handed out (in the main process,
 so loader workers' prefetching does not count) and exposes ``state_dict``/``load_state_dict``, which Lightning's fit
 loop saves with every checkpoint and restores before the first batch of a resumed run.
@@ -26,6 +30,8 @@ loop saves with every checkpoint and restores before the first batch of a resume
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +59,7 @@ class EpochShuffleSampler(DistributedSampler):
         lengths: Sequence[int] | torch.Tensor | None = None,
         batch_size: int | None = None,
         bucket_batches: int | None = None,
+        segments: Sequence[int] | None = None,
     ):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
@@ -67,6 +74,12 @@ class EpochShuffleSampler(DistributedSampler):
                 raise ValueError(f"length bucketing needs one length per row: {num_samples} rows, {got} lengths")
             self.lengths = torch.as_tensor(lengths, dtype=torch.int64).reshape(-1)
         self.batch_size, self.bucket_batches = batch_size, bucket_batches
+        self.segments = None if segments is None else [int(b) for b in segments]
+        if self.segments is not None:
+            if bucket_batches is not None:
+                raise ValueError("length bucketing and segments (streaming features) cannot be combined")
+            if self.segments[0] != 0 or self.segments[-1] != num_samples or self.segments != sorted(self.segments):
+                raise ValueError(f"segments must rise from 0 to {num_samples}, got {self.segments[:3]}…")
         # No super().__init__: it would query torch.distributed; every field it sets is set here.
         self.num_samples_total, self.seed, self.shuffle = num_samples, seed, shuffle
         self.num_replicas, self.rank, self.epoch = num_replicas, rank, 0
@@ -81,7 +94,10 @@ class EpochShuffleSampler(DistributedSampler):
     def order(self, epoch: int) -> list[int]:
         """The whole world's order of epoch ``epoch``, padded to a multiple of the world size."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        if self.shuffle:
+        if self.shuffle and self.segments is not None:
+            order = [a + i for a, b in zip(self.segments, self.segments[1:])
+                     for i in torch.randperm(b - a, generator=generator).tolist()]  # fmt: skip
+        elif self.shuffle:
             order = torch.randperm(self.num_samples_total, generator=generator).tolist()
         else:
             order = list(range(self.num_samples_total))
@@ -177,6 +193,8 @@ class ResumableDataLoader(DataLoader):
             "num_rows": sampler.num_samples_total,
         }
         bucketing = _bucketing(sampler)
+        if sampler.segments is not None:
+            state["segments"] = _segments(sampler)
         return state if bucketing is None else {**state, "bucketing": bucketing}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -194,6 +212,11 @@ class ResumableDataLoader(DataLoader):
                 "(data.bucket_batches and data.batch_size): the row order would differ; resume with the checkpoint's "
                 "settings"
             )
+        if state.get("segments") != _segments(sampler):
+            raise ValueError(
+                f"the checkpoint's data position is for an order in segments {state.get('segments')}, this run's is "
+                f"{_segments(sampler)} (streaming features are read shard by shard): the row order would differ"
+            )
         sampler.resume_at(int(state["epoch"]), int(state["consumed"]))
 
 
@@ -201,6 +224,12 @@ def _bucketing(sampler: EpochShuffleSampler) -> dict[str, int] | None:
     if sampler.bucket_batches is None:
         return None
     return {"batch_size": sampler.batch_size, "bucket_batches": sampler.bucket_batches}
+
+
+def _segments(sampler: EpochShuffleSampler) -> str | None:
+    if sampler.segments is None:
+        return None
+    return hashlib.sha256(json.dumps(sampler.segments).encode()).hexdigest()[:16]
 
 
 def _rows_in(batch: Any) -> int:
@@ -222,16 +251,25 @@ class ResumableTrainLoader:
     _pending_position: dict[str, Any] | None = None
 
     def resumable_train_loader(
-        self, dataset, *, batch_size: int, seed: int, shuffle: bool, bucket_batches: int | None = None, **loader_kwargs
+        self,
+        dataset,
+        *,
+        batch_size: int,
+        seed: int,
+        shuffle: bool,
+        bucket_batches: int | None = None,
+        segments: Sequence[int] | None = None,
+        **loader_kwargs,
     ):
-        """``bucket_batches``: length bucketing (see the module docstring); needs ``dataset.lengths()``."""
+        """``bucket_batches``: length bucketing (see the module docstring); needs ``dataset.lengths()``.
+        ``segments``: rows shuffled only within each segment (rows that become available together)."""
         if self._train_sampler is None:
             trainer = getattr(self, "trainer", None)
             shard = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
             lengths = dataset.lengths() if bucket_batches is not None else None
             self._train_sampler = EpochShuffleSampler(
                 len(dataset), seed, shuffle, num_replicas=shard.get("num_replicas", 1), rank=shard.get("rank", 0),
-                lengths=lengths, batch_size=batch_size, bucket_batches=bucket_batches,
+                lengths=lengths, batch_size=batch_size, bucket_batches=bucket_batches, segments=segments,
             )  # fmt: skip
         self._train_loader = ResumableDataLoader(dataset, batch_size=batch_size, sampler=self._train_sampler,
                                                  **loader_kwargs)  # fmt: skip

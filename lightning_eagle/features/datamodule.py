@@ -5,7 +5,6 @@ forward)."""
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 from pathlib import Path
@@ -13,7 +12,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from safetensors import safe_open
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -21,55 +19,9 @@ from lightning_eagle.data.dataset import collate_chat_rows
 from lightning_eagle.data.sampler import ResumableDataLoader, ResumableTrainLoader
 from lightning_eagle.data.vocab_map import VocabMapping
 from lightning_eagle.features import format as fmt
+from lightning_eagle.features.rows import FeatureRows
+from lightning_eagle.features.streaming import StreamingFeatureRows, commit_consumed, train_segments, wait_for_plan
 from lightning_eagle.settings import check_settings
-
-
-class FeatureRows(torch.utils.data.Dataset):
-    """Rows ``[start, stop)`` of a dump, read lazily from the memory-mapped shards (one open handle per shard)."""
-
-    def __init__(self, folder: Path, manifest: dict[str, Any], start: int, stop: int) -> None:
-        self.folder, self.start, self.stop = folder, start, stop
-        self.bounds = fmt.shard_bounds(manifest)  # shards of a row or token budget: sizes differ
-        self.shards = [s["shard"] for s in manifest["shards"]]
-        self._handles: dict[int, Any] = {}
-        self._offsets: dict[int, torch.Tensor] = {}
-
-    @override
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def __getstate__(self):  # loader workers open their own handles
-        return {**self.__dict__, "_handles": {}, "_offsets": {}}
-
-    def _shard(self, k: int):
-        if k not in self._handles:
-            self._handles[k] = safe_open(str(self.folder / self.shards[k]), framework="pt")
-            self._offsets[k] = self._handles[k].get_tensor("offsets")
-        return self._handles[k], self._offsets[k]
-
-    def _locate(self, row: int) -> tuple[int, int]:
-        """``(shard, index in it)`` of global row ``row``."""
-        k = bisect.bisect_right(self.bounds, row) - 1
-        return k, row - self.bounds[k]
-
-    def lengths(self) -> torch.Tensor:
-        """Token count of every row ``[start, stop)``, from the shards' ``offsets`` (what length bucketing sorts by)."""
-        if self.stop <= self.start:
-            return torch.zeros(0, dtype=torch.int64)
-        (first, begin), (last, _) = self._locate(self.start), self._locate(self.stop - 1)
-        parts = [torch.diff(self._shard(k)[1]) for k in range(first, last + 1)]
-        return torch.cat(parts)[begin : begin + len(self)]
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        shard, j = self._locate(self.start + i)
-        handle, offsets = self._shard(shard)
-        a, b = int(offsets[j]), int(offsets[j + 1])
-        item = {name: handle.get_slice(name)[a:b] for name in ("aux_hidden_states", "hidden_states")}
-        item["input_ids"] = handle.get_slice("input_ids")[a:b].long()
-        item["loss_mask"] = handle.get_slice("loss_mask")[a:b].long()
-        return item
 
 
 class _FeatureCollate:
@@ -106,6 +58,10 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
             reads the whole dump once) or ``"size"`` (against its header only, for dumps too large to hash).
         bucket_batches: length bucketing, as ``ChatDataModule``'s (the same value, batch size and seed give the
             online run's batches).
+        streaming: train while ``cli.py extract`` is still writing the folder (:mod:`.streaming`): the training rows
+            are read shard by shard, each shard waited for and verified when first read.
+        remove_consumed: (streaming, one epoch) delete each shard once saved checkpoints have passed it.
+        producer_timeout: (streaming) seconds without a producer heartbeat after which a missing shard stops the fit.
     """
 
     def __init__(
@@ -117,6 +73,9 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
         loader_workers: int = 0,
         verify: Literal["checksum", "size"] = "checksum",
         bucket_batches: int | None = None,
+        streaming: bool = False,
+        remove_consumed: bool = False,
+        producer_timeout: float = 600.0,
     ) -> None:
         super().__init__()
         check_settings("data", {
@@ -126,29 +85,17 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
         })  # fmt: skip
         self.bucket_batches = None if bucket_batches is None else int(bucket_batches)
         self.folder = Path(features_dir).expanduser()
-        manifest_path = self.folder / fmt.MANIFEST_NAME
-        if not manifest_path.is_file():
-            what = "does not exist" if not self.folder.exists() else f"has no {fmt.MANIFEST_NAME} (an unfinished dump?)"
-            raise FileNotFoundError(
-                f"features folder {str(self.folder)!r} {what}; write it with `python cli.py dump --config …` "
-                "(a killed dump resumes when run again)"
-            )
-        manifest = fmt.read_json(manifest_path)
-        if manifest.get("format") != fmt.FORMAT:
-            raise ValueError(f"{manifest_path}: format {manifest.get('format')!r}, expected {fmt.FORMAT!r}")
-        self.manifest = {**manifest, "folder": str(self.folder)}
+        self.streaming, self.remove_consumed, self.producer_timeout = streaming, remove_consumed, producer_timeout
         if verify not in ("checksum", "size"):
             raise ValueError(f"data.verify must be 'checksum' or 'size', got {verify!r}")
-        for shard in manifest["shards"]:
-            if not (self.folder / shard["shard"]).is_file():
-                raise FileNotFoundError(f"{self.folder}: {shard['shard']} listed in the manifest is missing")
-            # a damaged shard trains on garbage (NaN losses, exit 0): refused here, by name, before any step
-            problem = fmt.shard_problem(self.folder / shard["shard"], shard, checksum=verify == "checksum")
-            if problem:
-                raise ValueError(
-                    f"{self.folder / shard['shard']}: {problem}; re-run the dump (or restore the file); "
-                    "data.verify: size skips the checksum of large dumps"
-                )
+        self.verify = verify
+        if streaming:
+            manifest = self._streaming_plan(bucket_batches)
+        else:
+            if remove_consumed:
+                raise ValueError("data.remove_consumed deletes shards a streaming fit trained past: set data.streaming")
+            manifest = self._finished_manifest()
+        self.manifest = {**manifest, "folder": str(self.folder)}
         self.batch_size, self.shuffle, self.loader_workers = batch_size, shuffle, loader_workers
         self.seed = manifest["data"]["seed"] if seed is None else seed
         self.vocab_mapping = VocabMapping.load(
@@ -158,6 +105,56 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
         self.fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
         self.train_dataset: FeatureRows | None = None
         self.val_dataset: FeatureRows | None = None
+
+    def _finished_manifest(self) -> dict[str, Any]:
+        """The manifest of a finished dump, every shard checked against it before any step."""
+        manifest_path = self.folder / fmt.MANIFEST_NAME
+        if not manifest_path.is_file():
+            what = "does not exist" if not self.folder.exists() else f"has no {fmt.MANIFEST_NAME} (an unfinished dump?)"
+            raise FileNotFoundError(
+                f"features folder {str(self.folder)!r} {what}; write it with `python cli.py dump --config …` "
+                "(a killed dump resumes when run again), or train while `cli.py extract` writes it with "
+                "data.streaming: true"
+            )
+        manifest = fmt.read_json(manifest_path)
+        self._check_format(manifest, manifest_path)
+        for shard in manifest["shards"]:
+            if shard.get("removed"):
+                raise ValueError(
+                    f"{self.folder / shard['shard']} was removed by a streaming fit that trained past it "
+                    "(data.remove_consumed): this folder can no longer be read whole; extract again"
+                )
+            if not (self.folder / shard["shard"]).is_file():
+                raise FileNotFoundError(f"{self.folder}: {shard['shard']} listed in the manifest is missing")
+            # a damaged shard trains on garbage (NaN losses, exit 0): refused here, by name, before any step
+            problem = fmt.shard_problem(self.folder / shard["shard"], shard, checksum=self.verify == "checksum")
+            if problem:
+                raise ValueError(
+                    f"{self.folder / shard['shard']}: {problem}; re-run the dump (or restore the file); "
+                    "data.verify: size skips the checksum of large dumps"
+                )
+        return manifest
+
+    def _streaming_plan(self, bucket_batches: int | None) -> dict[str, Any]:
+        if bucket_batches is not None:
+            raise ValueError(
+                "data.bucket_batches sorts rows by length across shards, data.streaming reads them shard by shard: "
+                "drop one of them"
+            )
+        check_settings("data", {"producer_timeout": (self.producer_timeout, "positive", (int, float))})
+        plan = wait_for_plan(self.folder, self.producer_timeout)
+        self._check_format(plan, self.folder / fmt.PLAN_NAME)
+        if "shard_bounds" not in plan:
+            raise ValueError(
+                f"{self.folder} was written by `cli.py dump`, which plans no streaming order: read it whole "
+                "(data.streaming: false)"
+            )
+        return plan
+
+    @staticmethod
+    def _check_format(manifest: dict[str, Any], path: Path) -> None:
+        if manifest.get("format") != fmt.FORMAT:
+            raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {fmt.FORMAT!r}")
 
     @property
     def vocab_size(self) -> int:
@@ -178,14 +175,41 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
         if self.train_dataset is not None:
             return
         n_train, n_val = self.manifest["rows"]["train"], self.manifest["rows"]["val"]
-        self.train_dataset = FeatureRows(self.folder, self.manifest, 0, n_train)
-        self.val_dataset = FeatureRows(self.folder, self.manifest, n_train, n_train + n_val) if n_val else None
+        if self.streaming:
+
+            def rows(start: int, stop: int) -> FeatureRows:
+                return StreamingFeatureRows(self.folder, self.manifest, start, stop, verify=self.verify,
+                                            producer_timeout=self.producer_timeout)  # fmt: skip
+
+            self._refuse_many_epochs()
+        else:
+
+            def rows(start: int, stop: int) -> FeatureRows:
+                return FeatureRows(self.folder, self.manifest, start, stop)
+
+        self.train_dataset = rows(0, n_train)
+        self.val_dataset = rows(n_train, n_train + n_val) if n_val else None
+
+    def _refuse_many_epochs(self) -> None:
+        trainer = getattr(self, "trainer", None)
+        if not self.remove_consumed or trainer is None:
+            return
+        steps_per_epoch = -(-self.manifest["rows"]["train"] // (self.batch_size * max(trainer.world_size, 1)))
+        steps = trainer.max_steps * trainer.accumulate_grad_batches
+        one_epoch = trainer.max_epochs == 1 or 0 < steps <= steps_per_epoch
+        if not one_epoch:
+            raise ValueError(
+                "data.remove_consumed deletes each shard once the fit trained past it, so the run must stay within one "
+                f"epoch ({steps_per_epoch} steps of these features): set trainer.max_epochs: 1 or a trainer.max_steps "
+                "within it"
+            )
 
     @override
     def train_dataloader(self) -> ResumableDataLoader:
         return self.resumable_train_loader(
             self.train_dataset, batch_size=self.batch_size, seed=self.seed, shuffle=self.shuffle,
             bucket_batches=self.bucket_batches, collate_fn=_FeatureCollate(self.pad_token_id),
+            segments=train_segments(self.manifest) if self.streaming else None,
             num_workers=self.loader_workers, persistent_workers=self.loader_workers > 0,
         )  # fmt: skip
 
@@ -204,7 +228,23 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"features": self.fingerprint, "seed": self.seed, "train_position": self.train_position()}
+        """Called as a checkpoint is saved. Streaming: the previous checkpoint is on disk by now, so the rows it
+        passed are committed (``consumer.json``; with ``remove_consumed`` their shards removed)."""
+        position = self.train_position()
+        if self.streaming:
+            self._commit(self._last_saved)
+            self._last_saved = position
+        return {"features": self.fingerprint, "seed": self.seed, "train_position": position}
+
+    _last_saved: dict[str, Any] | None = None
+
+    def _commit(self, position: dict[str, Any] | None) -> None:
+        trainer = getattr(self, "trainer", None)
+        if position is None or (trainer is not None and not trainer.is_global_zero):
+            return
+        train = int(self.manifest["rows"]["train"])
+        rows = train if int(position.get("epoch", 0)) > 0 else min(int(position.get("consumed", 0)), train)
+        commit_consumed(self.folder, self.manifest, rows, self.remove_consumed)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -218,3 +258,5 @@ class HiddenStateDataModule(ResumableTrainLoader, pl.LightningDataModule):
         if state_dict.get("seed") is not None and state_dict["seed"] != self.seed:
             raise ValueError(f"checkpoint was trained with data seed {state_dict['seed']}, this run uses {self.seed}")
         self.restore_train_position(state_dict.get("train_position"))
+        if self.streaming:  # the checkpoint being resumed is saved: what it passed is committed
+            self._commit(state_dict.get("train_position"))

@@ -36,6 +36,7 @@ from typing_extensions import override
 from lightning_eagle.atomic import check_writable, remove_partials
 from lightning_eagle.data.dataset import collate_chat_rows
 from lightning_eagle.features import format as fmt
+from lightning_eagle.features import plan as features
 from lightning_eagle.k3.model import set_token_chunk
 from lightning_eagle.k3.target_spec import TargetSpec
 from lightning_eagle.parallel.frozen_target import load_frozen_target
@@ -57,38 +58,10 @@ class _RankSampler(DistributedSampler):
         return self.n
 
 
-class _DumpRows:
-    """The training split then the validation rows, read from the data module's datasets when a batch is built (the
-    cache is memory-mapped: holding every row as int64 tensors would take 16 bytes per token of host memory)."""
-
-    def __init__(self, train, val) -> None:
-        self.parts = [p for p in (train, val) if p is not None]
-        self.counts = [len(p) for p in self.parts]
-
-    def __len__(self) -> int:
-        return sum(self.counts)
-
-    def __getitem__(self, row: int) -> dict[str, torch.Tensor]:
-        for part, count in zip(self.parts, self.counts):
-            if row < count:
-                return part[row]
-            row -= count
-        raise IndexError(row)
-
-    def lengths(self) -> list[int]:
-        return [n for p in self.parts for n in _lengths(p)]
-
-
-def _lengths(dataset) -> list[int]:
-    if hasattr(dataset, "lengths"):
-        return [int(n) for n in dataset.lengths()]
-    return [int(dataset[i]["input_ids"].numel()) for i in range(len(dataset))]
-
-
 class _Batches(torch.utils.data.Dataset):
     """This rank's batches: ``(shard, row_ids)`` or ``(None, row_ids)`` for a padding batch that is not written."""
 
-    def __init__(self, rows: _DumpRows, plan: list[tuple[int | None, list[int]]], pad_id: int):
+    def __init__(self, rows: features.PlanRows, plan: list[tuple[int | None, list[int]]], pad_id: int):
         self.rows, self.plan, self.pad_id = rows, plan, pad_id
 
     @override
@@ -138,7 +111,7 @@ class FeatureDumper(pl.LightningModule):
         self.shard_tokens = None if shard_tokens is None else int(shard_tokens)
         self.target_token_chunk = target_token_chunk
         self.target = None
-        self.rows = _DumpRows(None, None)
+        self.rows = features.PlanRows(None, None)
         self.row_lengths: list[int] = []
         self.bounds: list[int] = [0, 0]  # shard k holds rows [bounds[k], bounds[k+1])
         self.plan: dict[str, Any] = {}
@@ -149,74 +122,21 @@ class FeatureDumper(pl.LightningModule):
     def setup(self, stage: str) -> None:
         """Number the rows, write (rank 0) or check ``plan.json`` and ``vocab_map.safetensors``."""
         strategy = self.trainer.strategy
-        foreign = fmt.foreign_entries(self.out_dir)
-        if foreign:
-            raise FileExistsError(
-                f"refusing to dump into {self.out_dir}: it holds files a dump did not write ({', '.join(foreign[:5])}"
-                f"{', …' if len(foreign) > 5 else ''}); a dump goes into a new or empty folder or a previous dump of "
-                "the same features: pass another --out"
-            )
+        features.refuse_foreign_files(self.out_dir, "dump", "--out")
         if self.trainer.is_global_zero:
             check_writable(self.out_dir, "the features folder (dump --out)")
             self.out_dir.mkdir(parents=True, exist_ok=True)
             remove_partials(self.out_dir)  # a killed dump's half-written files
             self.data.prepare_data()  # tokenize once into the cache
         strategy.barrier("dump-prepare")
-        self.plan = self._plan()
-        plan_path = self.out_dir / fmt.PLAN_NAME
-        if self.trainer.is_global_zero and not plan_path.is_file():
-            from lightning_eagle.data.prompts import prompts_from_datamodule
-
-            fmt.write_json(plan_path, self.plan)
-            self.data.vocab_mapping.save(self.out_dir / fmt.VOCAB_MAP_NAME, {"features": str(self.out_dir)})
-            fmt.write_json(self.out_dir / fmt.PROMPTS_NAME, {"prompts": prompts_from_datamodule(self.data)})
+        made = features.features_plan(self.target_spec, self.data, dtype=self.dtype_name,
+                                      hidden_kind=self.hidden_kind, shard_rows=self.shard_rows,
+                                      shard_tokens=self.shard_tokens)  # fmt: skip
+        self.plan, self.rows, self.row_lengths, self.bounds = made.plan, made.rows, made.lengths, made.bounds
+        if self.trainer.is_global_zero:
+            features.start_folder(self.out_dir, self.plan, self.data)
         strategy.barrier("dump-plan")
-        old = fmt.read_json(plan_path)
-        for key in (*fmt.IDENTITY_FIELDS, "shard_rows", "shard_tokens", "rows"):
-            if old.get(key) != self.plan.get(key):
-                raise ValueError(
-                    f"{self.out_dir} holds a dump of other features ({key}: {old.get(key)!r} there, "
-                    f"{self.plan.get(key)!r} now); pass another --out or delete the folder"
-                )
-
-    def _plan(self) -> dict[str, Any]:
-        data = self.data
-        data.setup("fit")
-        self.rows = _DumpRows(data.train_dataset, data.val_dataset or None)
-        self.row_lengths = self.rows.lengths()
-        train_count = len(data.train_dataset)
-        val_count = len(self.rows) - train_count
-        tokens = sum(self.row_lengths)
-        hidden, aux_ids = self.target_spec.config.hidden_size, list(self.target_spec.aux_layer_ids)
-        mapping = data.vocab_mapping
-        self.bounds = fmt.plan_shard_bounds(self.row_lengths, self.shard_rows, self.shard_tokens)
-        plan = {
-            "format": fmt.FORMAT,
-            "target": fmt.target_fingerprint(self.target_spec),
-            "aux_layer_ids": aux_ids,
-            "aux_stream": self.target_spec.aux_stream,
-            "hidden_states": self.hidden_kind,
-            "dtype": self.dtype_name,
-            "hidden_size": hidden,
-            "num_aux_hidden_states": len(aux_ids),
-            "vocab_size": data.vocab_size,
-            "pad_token_id": data.pad_token_id,
-            "data": {
-                **data.state_dict(),
-                "train_position": None,
-                "render_options": data.render_options,
-                "max_length": data.max_length,
-                "tokenizer": data.tokenizer.fingerprint,
-            },  # fmt: skip
-            "vocab_map": {"fingerprint": mapping.fingerprint, "draft_vocab_size": int(mapping.selected.numel())},
-            "shard_rows": self.shard_rows,
-            **({} if self.shard_tokens is None else {"shard_tokens": self.shard_tokens}),  # older plans have none
-            "rows": {"train": train_count, "val": val_count},
-            "tokens": tokens,
-            "bytes_per_token": fmt.bytes_per_token(hidden, len(aux_ids), self.dtype_name),
-            "num_shards": len(self.bounds) - 1,
-        }
-        return plan
+        features.check_same_plan(self.out_dir, self.plan, ("shard_rows", "shard_tokens", "rows"))
 
     def shard_rows_of(self, shard: int) -> list[int]:
         return list(range(self.bounds[shard], self.bounds[shard + 1]))
@@ -367,6 +287,7 @@ def dump_features(target_spec: TargetSpec, datamodule, out_dir, trainer: pl.Trai
     ``shard_rows`` / ``shard_tokens`` and ``target_token_chunk``: see :class:`FeatureDumper`."""
     if not isinstance(target_spec, TargetSpec):
         raise TypeError(f"dump_features takes a TargetSpec (e.g. module.target_spec), got {type(target_spec).__name__}")
+    target_spec.require_k3("cli.py dump (our target's forward)")
     dumper = FeatureDumper(target_spec, datamodule, Path(out_dir), dtype=dtype, hidden_states=hidden_states,
                            shard_rows=shard_rows, shard_tokens=shard_tokens,
                            target_token_chunk=target_token_chunk)  # fmt: skip

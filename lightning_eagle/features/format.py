@@ -39,6 +39,7 @@ from lightning_eagle.k3.target_spec import TargetSpec
 
 FORMAT = "lightning_eagle.features/1"
 PLAN_NAME, MANIFEST_NAME, VOCAB_MAP_NAME = "plan.json", "manifest.json", "vocab_map.safetensors"
+PROGRESS_NAMES = ("producer.json", "consumer.json")  # a streaming run's progress (features.progress)
 PROMPTS_NAME = "prompts.json"  # held-out prompts (token ids) for real speculative decoding, as the online run uses
 HIDDEN_KINDS = ("prenorm", "postnorm")
 # Fields of the plan that must agree between a dump and what reads or resumes it.
@@ -54,7 +55,8 @@ def foreign_entries(folder: Path) -> list[str]:
     empty folder or a previous dump, never mixed with other files (``export`` refuses the same)."""
     if not folder.is_dir():
         return []
-    ours = {PLAN_NAME, MANIFEST_NAME, VOCAB_MAP_NAME, Path(VOCAB_MAP_NAME).with_suffix(".json").name, PROMPTS_NAME}
+    ours = {PLAN_NAME, MANIFEST_NAME, VOCAB_MAP_NAME, Path(VOCAB_MAP_NAME).with_suffix(".json").name, PROMPTS_NAME,
+            *PROGRESS_NAMES}  # fmt: skip
     shard = re.compile(r"shard-\d{5}\.(safetensors|json)$")
     return sorted(
         p.name
@@ -169,8 +171,11 @@ class ShardBuffer:
         return all(self.filled)
 
 
-def write_shard(folder: Path, index: int, rows: ShardRows | ShardBuffer, dtype: torch.dtype) -> dict[str, Any]:
-    """Write one shard atomically, then its sidecar (the shard is complete only once the sidecar exists)."""
+def write_shard(
+    folder: Path, index: int, rows: ShardRows | ShardBuffer, dtype: torch.dtype, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Write one shard atomically, then its sidecar (the shard is complete only once the sidecar exists); ``extra``:
+    more sidecar fields (e.g. the engine version that extracted it)."""
     if isinstance(rows, ShardBuffer):
         if not rows.complete:
             raise RuntimeError(f"shard {index} is written before all its rows arrived")
@@ -189,7 +194,7 @@ def write_shard(folder: Path, index: int, rows: ShardRows | ShardBuffer, dtype: 
     with atomic_file(path) as tmp:
         save_file(tensors, str(tmp), metadata={"format": FORMAT})
     info = {"shard": path.name, "rows": len(rows.row_ids), "tokens": int(tensors["offsets"][-1]),
-            "sha256": sha256_file(path)}  # fmt: skip
+            "sha256": sha256_file(path), **(extra or {})}  # fmt: skip
     write_json(path.with_suffix(".json"), info)
     return info
 

@@ -35,6 +35,9 @@ class TargetSpec:
             ``[1, L//2-1, L-4]`` resolved; DSpark: as many as its ``context_proj`` reads).
         aux_stream: ``"prefix"`` or ``"mixed"`` (which AttnRes stream the taps read).
         tap_count: how many taps the draft family needs (3 for EAGLE-3; None: any non-empty number, DSpark).
+        source_model_type: the checkpoint's own text ``model_type``: ``kimi_linear`` (K3), or another model's for a
+            run that reads only its features and teacher head (``model.target.source: features``, e.g. features a
+            serving engine extracted from a model our K3 cannot run); such a spec never loads a target.
     """
 
     path: Path | None
@@ -45,6 +48,7 @@ class TargetSpec:
     aux_layer_ids: tuple[int, int, int] = (1, 45, 89)
     aux_stream: str = "prefix"
     tap_count: int | None = 3
+    source_model_type: str = "kimi_linear"
 
     def __post_init__(self) -> None:
         validate_target_config(self.config, self.aux_layer_ids, self.tap_count)
@@ -69,7 +73,7 @@ class TargetSpec:
                       tap_count=tap_count)  # fmt: skip
         if config is not None:
             return cls.from_config(config, **kwargs)
-        return cls.from_checkpoint(settings.path, **kwargs)
+        return cls.from_checkpoint(settings.path, **kwargs, teacher_only=settings.source == "features")
 
     @classmethod
     def from_checkpoint(
@@ -81,14 +85,22 @@ class TargetSpec:
         aux_layer_ids=None,
         aux_stream: str = "prefix",
         tap_count: int | None = 3,
+        teacher_only: bool = False,
     ) -> TargetSpec:
-        """The spec of a checkpoint folder (or ``"quickstart"``): only its ``config.json`` is read."""
+        """The spec of a checkpoint folder (or ``"quickstart"``): only its ``config.json`` is read. ``teacher_only``:
+        the run reads features and the teacher head only, so another model than K3 is accepted
+        (:func:`teacher_only_config`)."""
         path = resolve_target_path(target)
         text = (path / "config.json").read_text()
-        config = text_config_from_dict(json.loads(text), source=str(path))
+        data = json.loads(text)
+        model_type = config_value(text_config_of(data), "model_type") or "kimi_linear"
+        if teacher_only and model_type != "kimi_linear":
+            config = teacher_only_config(text_config_of(data))
+        else:
+            config = text_config_from_dict(data, source=str(path))
         return cls.from_config(
             config, path=path, fingerprint=config_fingerprint(text), dtype=dtype, expert_storage=expert_storage,
-            aux_layer_ids=aux_layer_ids, aux_stream=aux_stream, tap_count=tap_count,
+            aux_layer_ids=aux_layer_ids, aux_stream=aux_stream, tap_count=tap_count, source_model_type=model_type,
         )  # fmt: skip
 
     @classmethod
@@ -103,6 +115,7 @@ class TargetSpec:
         aux_layer_ids=None,
         aux_stream: str = "prefix",
         tap_count: int | None = 3,
+        source_model_type: str = "kimi_linear",
     ) -> TargetSpec:
         """A spec from a config object (a named preset for the memory plan, or a config already read)."""
         if tap_count is None and aux_layer_ids is None:
@@ -112,7 +125,7 @@ class TargetSpec:
         return cls(
             path=path, config=config, fingerprint=fingerprint, dtype=dtype, expert_storage=expert_storage,
             aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids is not None else (), aux_stream=aux_stream,
-            tap_count=tap_count,
+            tap_count=tap_count, source_model_type=source_model_type,
         )  # fmt: skip
 
     @property
@@ -126,6 +139,49 @@ class TargetSpec:
     @property
     def num_experts(self) -> int:
         return self.config.num_experts
+
+    @property
+    def is_k3(self) -> bool:
+        """False for a teacher-only spec of another model (features and teacher head only, never a forward)."""
+        return self.source_model_type == "kimi_linear"
+
+    def require_k3(self, what: str) -> None:
+        """Refuse ``what`` (a target forward, a dump) for a teacher-only spec of another model."""
+        if not self.is_k3:
+            raise ValueError(
+                f"{what} needs the Kimi K3 target, and {self.path}/config.json is a {self.source_model_type!r} model: "
+                "another model is accepted only as the teacher of features a serving engine extracted "
+                "(model.target.source: features)"
+            )
+
+
+# What a teacher-only spec keeps of another model's text config: the sizes a draft and a teacher head are made from.
+_TEACHER_ONLY_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "rms_norm_eps", "max_position_embeddings", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+    "pad_token_id",
+)  # fmt: skip
+
+
+def teacher_only_config(text: dict[str, Any]) -> KimiK3TextConfig:
+    """A K3 text config carrying another model's sizes (vocabulary, width, depth, attention shapes, norm epsilon), the
+    rest K3's defaults: what a draft is sized from when it trains on that model's engine-extracted features. Its
+    KDA/MoE fields describe no real model; nothing builds a target from it (:meth:`TargetSpec.require_k3`)."""
+    values = {k: text[k] for k in _TEACHER_ONLY_FIELDS if text.get(k) is not None}
+    values["pad_token_id"] = text.get("pad_token_id")  # K3's default pad id may lie outside another vocabulary
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers") if k not in values]
+    if missing:
+        raise ValueError(f"the target's text config lacks {missing}: a teacher-only target needs its sizes")
+    layers = int(values["num_hidden_layers"])
+    return KimiK3TextConfig(
+        **values,
+        linear_attn_config={"kda_layers": [], "full_attn_layers": list(range(1, layers + 1))},
+        attn_res_block_size=None,
+        num_experts=1,
+        num_experts_per_token=1,
+        first_k_dense_replace=layers,
+    )
 
 
 def validate_target_config(

@@ -25,6 +25,7 @@ def root_device(owner: pl.LightningModule) -> torch.device:
 
 def load_frozen_target(owner: pl.LightningModule, spec: TargetSpec) -> KimiK3ForCausalLM:
     """The frozen K3 ``spec`` names, as ``owner``'s rank holds it (e.g. with the expert-parallel dispatcher)."""
+    spec.require_k3("the frozen target's forward (model.target.source: online)")
     parallelism = parallelism_of(owner)
     expert_range = parallelism.expert_range(spec.num_experts)  # refuses an unsplittable expert count before any read
     target = KimiK3ForCausalLM.from_pretrained(

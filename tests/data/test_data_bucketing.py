@@ -12,7 +12,7 @@ from lightning_eagle.data import ChatDataModule
 from lightning_eagle.data.dataset import collate_chat_rows
 from lightning_eagle.data.sampler import EpochShuffleSampler, ResumableDataLoader
 from lightning_eagle.features import format as fmt
-from lightning_eagle.features.datamodule import FeatureRows
+from lightning_eagle.features.rows import FeatureRows
 
 B, M = 4, 4  # per-rank batch size, batches per sorting window
 
