@@ -100,3 +100,20 @@ def test_extract_equals_dump(tmp_path):
     # resumed: a finished folder is skipped shard by shard, nothing rewritten
     again = _producer(tmp_path / "extracted")
     assert again.pending == []
+
+
+def test_streaming_fit_stops_when_the_producer_dies(tmp_path):
+    """A reader waiting for a shard the producer will not write stops with the reason and the fix, not a hang."""
+    from lightning_eagle.features import plan as features
+    from lightning_eagle.features.progress import ProducerHeartbeat
+
+    out = tmp_path / "extracted"
+    producer = _producer(out)
+    features.start_folder(out, producer.plan, producer.data)
+    with pytest.raises(RuntimeError, match="engine gone"), ProducerHeartbeat(out, producer.made.num_shards):
+        raise RuntimeError("engine gone")
+    data = HiddenStateDataModule(str(out), batch_size=4, streaming=True, producer_timeout=5)
+    data.setup("fit")
+    with pytest.raises(RuntimeError, match=r"shard-00000.safetensors is not written and the producer .* failed: "
+                       r"RuntimeError: engine gone: restart `lightning-eagle extract`"):  # fmt: skip
+        data.train_dataset[0]
