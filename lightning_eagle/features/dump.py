@@ -263,15 +263,10 @@ class FeatureShardWriter(BasePredictionWriter):
 
 def write_manifest(dumper: FeatureDumper) -> dict[str, Any]:
     """Rank 0, after every rank finished: the plan plus every shard's sidecar (all must be complete)."""
-    shards, missing = [], []
-    for k in range(dumper.plan["num_shards"]):
-        info = fmt.complete_shard(dumper.out_dir, k, len(dumper.shard_rows_of(k)), verify=False)
-        (shards.append(info) if info is not None else missing.append(fmt.shard_name(k)))
-    if missing:
-        raise RuntimeError(f"{dumper.out_dir}: shards {missing[:5]} are incomplete after the dump; run it again")
-    manifest = {**dumper.plan, "shards": shards}
-    fmt.write_json(dumper.out_dir / fmt.MANIFEST_NAME, manifest)
-    return manifest
+    return features.write_manifest(
+        dumper.out_dir, dumper.plan,
+        lambda k: fmt.complete_shard(dumper.out_dir, k, len(dumper.shard_rows_of(k)), verify=False), "dump",
+    )  # fmt: skip
 
 
 def _chunks(items: list[int], size: int) -> list[list[int]]:

@@ -217,12 +217,7 @@ class Producer:
         return aux, states[:, self.capture.final_column]
 
     def _manifest(self) -> dict[str, Any]:
-        shards, missing = [], []
-        for k in range(self.made.num_shards):
-            info = shard_done(self.out_dir, k, len(self.made.shard_rows(k)), verify=False)
-            (shards.append(info) if info is not None else missing.append(fmt.shard_name(k)))
-        if missing:
-            raise RuntimeError(f"{self.out_dir}: shards {missing[:5]} are missing after the extraction; run it again")
-        manifest = {**self.plan, "shards": shards}
-        fmt.write_json(self.out_dir / fmt.MANIFEST_NAME, manifest)
-        return manifest
+        return features.write_manifest(
+            self.out_dir, self.plan,
+            lambda k: shard_done(self.out_dir, k, len(self.made.shard_rows(k)), verify=False), "extraction",
+        )  # fmt: skip

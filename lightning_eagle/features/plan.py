@@ -144,3 +144,17 @@ def check_same_plan(out_dir: Path, plan: dict[str, Any], fields: tuple[str, ...]
                 f"{out_dir} holds a dump of other features ({key}: {old.get(key)!r} there, {plan.get(key)!r} now); "
                 "pass another --out or delete the folder"
             )
+
+
+def write_manifest(out_dir: Path, plan: dict[str, Any], shard_info, run: str) -> dict[str, Any]:
+    """After every shard is written: ``manifest.json`` = the plan plus every shard's sidecar (``shard_info(k)``, None
+    when shard ``k`` is not there, which refuses the manifest). ``run``: what wrote them, for the message."""
+    shards, missing = [], []
+    for k in range(plan["num_shards"]):
+        info = shard_info(k)
+        (shards.append(info) if info is not None else missing.append(fmt.shard_name(k)))
+    if missing:
+        raise RuntimeError(f"{out_dir}: shards {missing[:5]} are incomplete after the {run}; run it again")
+    manifest = {**plan, "shards": shards}
+    fmt.write_json(out_dir / fmt.MANIFEST_NAME, manifest)
+    return manifest
