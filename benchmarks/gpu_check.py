@@ -82,6 +82,18 @@ The DSpark drafter (issue 29):
   step run for real on CPU (eager attention, every storage counted), ratio within 1 %. It never ran on a GPU when
   written.
 
+Engine features (issue 38):
+
+* ``engine_features`` — vLLM's own ``extract_hidden_states`` (the extract worker, the stock hidden-states connector)
+  on the bundled tiny K3 (``k3-tiny-chat``, bf16) against our target's capture in fp32
+  (:func:`lightning_eagle.features.own_engine.engine_columns`), in both streams (``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM``
+  0 and 1), ids 1, 3, 5 and L = 6: per id the relative error ``‖Δ‖/‖ours‖`` over the prompts (PASS ≤ 3e-2). Under
+  stream 0, id L is also compared with the model's pre-norm output: vLLM 0.32 gives the open AttnRes block's partial
+  sum there (what ``cli.py extract`` refuses to train a teacher from); the row says whether this vLLM does.
+  A self-consistency row set always runs the same comparison on files our own engine twin
+  (:class:`~lightning_eagle.features.own_engine.OwnTargetEngine`) wrote (the plumbing, CPU-checked). Without CUDA or
+  vLLM the engine row says so (not a failure). It never ran on a GPU when written.
+
 Time: the script is sized for < 8 min on one H200; ``--budget-s`` (default 420) skips a section that would start
 later and a ``long_context`` length predicted to end later (status "skipped (time budget)", listed under
 ``skipped``); the JSON is rewritten after every section (``complete`` false until the end), with each section's
@@ -125,6 +137,7 @@ GOLDEN_TARGET = REPO_ROOT / "tests" / "golden" / "target"
 SECTIONS = (
     "kda_model", "golden", "layers", "ttt_attention", "ttt_step",
     "chunked_loss", "flash_lse_block", "latent_cache", "target_chunks", "long_context", "dspark_vllm", "dspark_memory",
+    "engine_features",
 )  # fmt: skip
 DEFAULT_BUDGET_S = 420.0  # the whole script: the GPU session's ~15 min include start-up and a possible rerun
 TTT_BACKENDS = ("eager", "flash_lse", "sdpa_mask", "flex_attention")
@@ -1315,6 +1328,83 @@ def section_dspark_memory(device: torch.device) -> list[dict]:
     return rows
 
 
+# ---- engine_features -----------------------------------------------------------------------------------------------
+ENGINE_TAPS = (0, 2, 4)  # vLLM ids 1, 3, 5 and L = 6 on the 6-layer quickstart K3
+ENGINE_STREAMS = {"prefix": "0", "mixed": "1"}
+
+
+def section_engine_features(device: torch.device, vllm_python: str | None) -> list[dict]:
+    import tempfile
+
+    from lightning_eagle.features.engine_client import EngineError, WorkerEngine
+    from lightning_eagle.features.engine_ids import STREAM_ENV, engine_ids
+    from lightning_eagle.features.own_engine import OwnTargetEngine
+    from lightning_eagle.k3.loader import QUICKSTART_TARGET
+    from lightning_eagle.k3.model import KimiK3ForCausalLM
+
+    model = KimiK3ForCausalLM.from_pretrained("quickstart", dtype=torch.float32).to(device).eval()
+    ids = list(engine_ids(ENGINE_TAPS, model.config.num_hidden_layers)[0])
+    rows: list[dict] = []
+    for stream in ENGINE_STREAMS:
+        with tempfile.TemporaryDirectory() as tmp, OwnTargetEngine(model, ids, Path(tmp), stream=stream) as engine:
+            rows += engine_feature_rows(model, engine, ids, stream, "ours fp32 (self-consistency)", tol=1e-6)
+    engine_row = {"check": "vLLM extract_hidden_states"}
+    if device.type != "cuda":
+        return rows + [{**engine_row, "status": "CUDA only"}]
+    if vllm_python is None:
+        return rows + [{**engine_row, "status": "vllm not installed", "note": "pass --vllm-python"}]
+    for stream, value in ENGINE_STREAMS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            config = {"model": str(QUICKSTART_TARGET.parent), "aux_ids": ids, "storage": str(Path(tmp) / "files"),
+                      "dtype": "bfloat16", "max_model_len": 256, "env": {STREAM_ENV: value}, "cpu_connector": False,
+                      "engine_args": {"enforce_eager": True, "gpu_memory_utilization": 0.3}}  # fmt: skip
+            try:
+                with WorkerEngine(
+                    config, log=Path(tmp) / "worker.log", python=vllm_python, start_timeout=300
+                ) as engine:
+                    rows += engine_feature_rows(model, engine, ids, stream, "vLLM bf16", tol=DSPARK_REL_TOL)
+            except EngineError as error:
+                rows.append({**engine_row, "stream": stream, "status": "error", "note": str(error)[-1500:]})
+    return rows
+
+
+def engine_feature_rows(model, engine, ids: list[int], stream: str, source: str, tol: float) -> list[dict]:
+    """Per id: the engine's files against ``engine_columns`` of our model (relative error over the prompts)."""
+    from safetensors.torch import load_file
+
+    from lightning_eagle.features.own_engine import engine_columns
+
+    device = next(model.parameters()).device
+    L = model.config.num_hidden_layers
+    diff, ref, output_diff, output_ref = torch.zeros(len(ids)), torch.zeros(len(ids)), 0.0, 0.0
+    for prompt, path in zip(DSPARK_PROMPTS, engine.capture(DSPARK_PROMPTS)):
+        got = load_file(str(path))
+        engine.release(path)
+        assert got["token_ids"].tolist() == prompt, f"{path}: token_ids {got['token_ids'].tolist()} != {prompt}"
+        theirs = got["hidden_states"].float()
+        with torch.no_grad():
+            ours = engine_columns(model, torch.tensor([prompt], device=device), ids, stream)[0].float().cpu()
+            output = engine_columns(model, torch.tensor([prompt], device=device), [L], "mixed")[0, :, 0].float().cpu()
+        diff += (theirs - ours).pow(2).sum(dim=(0, 2))
+        ref += ours.pow(2).sum(dim=(0, 2))
+        output_diff += (theirs[:, -1] - output).pow(2).sum().item()
+        output_ref += output.pow(2).sum().item()
+    rows = []
+    for i, (d, r) in enumerate(zip(diff.sqrt().tolist(), ref.sqrt().tolist())):
+        reads = f"layer {ids[i] - 1}'s output, {stream} stream"
+        if ids[i] == L:
+            reads = "the pre-norm output" if stream == "mixed" else "the open AttnRes block's partial sum"
+        err = d / max(r, 1e-30)
+        rows.append({"check": source, "stream": stream, "id": ids[i], "reads": reads, "rel_err": err,
+                     "status": "PASS" if err <= tol else "FAIL"})  # fmt: skip
+    if stream == "prefix":  # informational: is id L the model's output under stream 0?
+        err = math.sqrt(output_diff) / max(math.sqrt(output_ref), 1e-30)
+        rows.append({"check": source, "stream": stream, "id": L, "reads": "vs the model's pre-norm output",
+                     "rel_err": err, "status": "equal (id L is the output)" if err <= tol else
+                     "differs (as vLLM 0.32: extract refuses this teacher)"})  # fmt: skip
+    return rows
+
+
 def run_section(name: str, device: torch.device, sizes: Sizes, args) -> list[dict]:
     if name == "kda_model":
         return section_kda_model(device, sizes)
@@ -1330,6 +1420,8 @@ def run_section(name: str, device: torch.device, sizes: Sizes, args) -> list[dic
         return section_long_context(device, sizes, args.deadline)
     if name == "dspark_vllm":
         return section_dspark_vllm(device, args.vllm_python)
+    if name == "engine_features":
+        return section_engine_features(device, args.vllm_python)
     if name == "dspark_memory":
         return section_dspark_memory(device)
     sections = {

@@ -8,10 +8,11 @@ Commands are read from the shell blocks (```` ```bash ````) and the inline code 
 * ``fit`` / ``validate`` / ``test`` / ``predict``: the ``lightning-eagle`` LightningCLI parser (:class:`RunCLI` with
   the run classes of the words, the flat-key refusal and the packaged config names first, as ``cli.main`` does), built
   and asked to parse only: no model, data module or trainer is made, nothing runs; ``--config`` files must exist.
-* the other subcommands (``export``, ``dump``, ``data-report``, ``regenerate``, ``memory-plan``, ``acceptance``) and the
-  ``python -m`` modules: the command's own :class:`CommandParser`, caught as the command's ``main`` first asks it to
-  parse (nothing before that runs anything) and then given the words; what ``dump`` / ``data-report`` leave to the run
-  config, and ``memory-plan``'s ``--config``, are parsed by the LightningCLI parser as those commands do.
+* the other subcommands (``export``, ``dump``, ``extract``, ``data-report``, ``regenerate``, ``memory-plan``,
+  ``acceptance``) and the ``python -m`` modules: the command's own :class:`CommandParser`, caught as the command's
+  ``main`` first asks it to parse (nothing before that runs anything) and then given the words; what ``dump`` /
+  ``extract`` / ``data-report`` leave to the run config, and ``memory-plan``'s ``--config``, are parsed by the
+  LightningCLI parser as those commands do.
 * an inline span that shows only part of a command (``cli.py acceptance --num-draft-tokens 7 …`` without ``--target``)
   is held to what it shows: the subcommand exists and every option it names is one of the parser's.
 """
@@ -44,7 +45,7 @@ TRAINER_METHODS = ("fit", "validate", "test", "predict")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", flags=re.S | re.M)  # every fenced block, opening and closing paired
 SHELLS = ("bash", "sh", "shell", "console", "")
 PROJECT = re.compile(r"\b(cli\.py|lightning-eagle|lightning_eagle\.commands|benchmarks/)")
-SUBCOMMANDS = ("fit", "validate", "export", "dump", "data-report", "regenerate", "memory-plan", "acceptance")
+SUBCOMMANDS = ("fit", "validate", "export", "dump", "extract", "data-report", "regenerate", "memory-plan", "acceptance")
 
 
 # ---- what the pages show ---------------------------------------------------------------------------------------------
@@ -202,7 +203,7 @@ def _check_command(module: str, words: list[str], whole: bool, monkeypatch) -> N
         assert not unknown, f"not options of {parser.prog}: {unknown}"
         return
     rest = parsed[1] if method == "parse_known_args" else []
-    if module in ("dump", "data_report"):  # the rest is the run config, read as fit reads it
+    if module in ("dump", "extract", "data_report"):  # the rest is the run config, read as fit reads it
         if module == "data_report":
             rest = importlib.import_module("lightning_eagle.commands.data_report").with_trainer_overrides(rest)
         parse_run(rest, subcommands=False)

@@ -236,3 +236,34 @@ def test_dspark_vllm_section_on_cpu(gpu_check):
     assert row["status"] == "FAIL" and row["layout_ok"] is False
     missing = {k: v for k, v in captures.items() if not k.startswith("0.block")}
     assert gpu_check.dspark_compare_rows(drafter, embed, missing, 1, "missing")[0]["status"] == "FAIL"
+
+
+def test_engine_features_section_on_cpu(gpu_check, tmp_path):
+    """The engine-features comparison on CPU: our own engine twin's files pass in both streams (and under stream 0,
+    id L is reported as not the model's output), the engine row says CUDA only, and ids one layer off (id k read as
+    layer k's output) fail."""
+    rows = gpu_check.section_engine_features(torch.device("cpu"), None)
+    own, engine = rows[:-1], rows[-1]
+    assert engine["status"] == "CUDA only"
+    checked = [r for r in own if r["status"] in ("PASS", "FAIL")]
+    assert [(r["stream"], r["id"]) for r in checked] == [(s, i) for s in ("prefix", "mixed") for i in (1, 3, 5, 6)]
+    assert all(r["status"] == "PASS" for r in checked), checked
+    (output,) = [r for r in own if r["reads"] == "vs the model's pre-norm output"]  # our prefix id L, like vLLM 0.32's
+    assert output["stream"] == "prefix" and output["status"].startswith("differs") and output["rel_err"] > 0.1
+
+    from lightning_eagle.features.own_engine import OwnTargetEngine
+    from lightning_eagle.k3.model import KimiK3ForCausalLM
+
+    model = KimiK3ForCausalLM.from_pretrained("quickstart", dtype=torch.float32).eval()
+
+    class Shifted(OwnTargetEngine):  # writes ids 2 and 4 where 1 and 3 are asked
+        def write(self, prompt):
+            self.ids = [2, 4, 5, 6]
+            try:
+                return super().write(prompt)
+            finally:
+                self.ids = [1, 3, 5, 6]
+
+    shifted = gpu_check.engine_feature_rows(model, Shifted(model, [1, 3, 5, 6], tmp_path), [1, 3, 5, 6], "mixed",
+                                            "shifted", tol=1e-6)  # fmt: skip
+    assert [r["status"] for r in shifted] == ["FAIL", "FAIL", "PASS", "PASS"]

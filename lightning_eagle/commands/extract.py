@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from lightning_eagle.commands.arguments import CommandParser
 from lightning_eagle.commands.config_cli import chat_data_cli
 from lightning_eagle.dtypes import DTYPES
-from lightning_eagle.features.engine_client import HttpEngine, WorkerEngine
-from lightning_eagle.features.engine_ids import engine_capture, serve_command
+from lightning_eagle.features.engine_client import FeatureEngine, HttpEngine, WorkerEngine
+from lightning_eagle.features.engine_ids import EngineCapture, engine_capture, serve_command
 from lightning_eagle.features.extract import Producer
 
 
@@ -47,25 +48,24 @@ def parser() -> CommandParser:
     p.add_argument("--vllm-cpu", action="store_true",
                    help="vLLM's CPU build: the connector subclass without pinned memory")  # fmt: skip
     p.add_argument("--vllm-engine-args", default="{}", help="more vllm.LLM keyword arguments, as JSON")
-    p.add_argument("--vllm-storage", default=None, help="the offline engine's file folder (default: a temp dir)")
+    p.add_argument("--vllm-storage", default=None,
+                   help="the engine's file folder (offline: a temp dir if unset; the serve line's)")  # fmt: skip
     p.add_argument("--print-serve-line", action="store_true", help="print the `vllm serve` line for this run and stop")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
-def main(words: list[str] | None = None, from_sys_argv: bool = False) -> None:
-    args, rest = parser().parse_known_args(sys.argv[1:] if words is None else words)
-    cli = chat_data_cli(rest, from_sys_argv or words is None, command="extract")
+def build(words: list[str], from_sys_argv: bool = False) -> tuple[Producer, Callable, bool] | None:
+    """The producer of ``words`` (everything checked, no engine started), its engine factory and whether to show a
+    progress bar; None when ``--print-serve-line`` printed the line instead."""
+    args, rest = parser().parse_known_args(words)
+    cli = chat_data_cli(rest, from_sys_argv, command="extract")
     spec, data = cli.model.target_spec, cli.datamodule
     if args.print_serve_line:
         capture = engine_capture(spec, args.final_id_is_output)
-        print(serve_command(capture, str(spec.path), "/shared/hidden_states", cpu_connector=args.vllm_cpu))
-        return
-    out = Path(args.out) if args.out else Path(cli.trainer.default_root_dir) / "features"
-    producer = Producer(spec, data, out, dtype=args.dtype, shard_rows=args.shard_rows, shard_tokens=args.shard_tokens,
-                        concurrency=args.concurrency, max_ahead=args.max_ahead, engine_dtype=args.vllm_dtype,
-                        final_id_is_output=args.final_id_is_output,
-                        log=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+        storage = args.vllm_storage or "/shared/hidden_states"
+        print(serve_command(capture, str(spec.path), storage, cpu_connector=args.vllm_cpu))
+        return None
     served = dict(item.split("=", 1) for item in args.served_env if "=" in item)
     bad = [item for item in args.served_env if "=" not in item]
     if bad:
@@ -74,8 +74,13 @@ def main(words: list[str] | None = None, from_sys_argv: bool = False) -> None:
         engine_args = json.loads(args.vllm_engine_args)
     except json.JSONDecodeError as err:
         raise ValueError(f"--vllm-engine-args is not JSON: {err}") from None
+    out = Path(args.out) if args.out else Path(cli.trainer.default_root_dir) / "features"
+    producer = Producer(spec, data, out, dtype=args.dtype, shard_rows=args.shard_rows, shard_tokens=args.shard_tokens,
+                        concurrency=args.concurrency, max_ahead=args.max_ahead, engine_dtype=args.vllm_dtype,
+                        final_id_is_output=args.final_id_is_output,
+                        log=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
 
-    def open_engine(capture):
+    def open_engine(capture: EngineCapture) -> FeatureEngine:
         if args.vllm_url:
             return HttpEngine(args.vllm_url, concurrency=args.concurrency, env=served)
         storage = args.vllm_storage or tempfile.mkdtemp(prefix="lightning-eagle-extract-")
@@ -86,7 +91,14 @@ def main(words: list[str] | None = None, from_sys_argv: bool = False) -> None:
         }  # fmt: skip
         return WorkerEngine(config, log=out.parent / f"{out.name}.engine.log", python=args.vllm_python)
 
-    producer.run(open_engine, progress_bar=not args.no_progress)
+    return producer, open_engine, not args.no_progress
+
+
+def main(words: list[str] | None = None, from_sys_argv: bool = False) -> None:
+    built = build(sys.argv[1:] if words is None else words, from_sys_argv or words is None)
+    if built is not None:
+        producer, open_engine, progress_bar = built
+        producer.run(open_engine, progress_bar=progress_bar)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -94,9 +95,14 @@ def _locked(lock: Path) -> bool:
 class WorkerEngine(FeatureEngine):
     """An offline ``vllm.LLM`` in a worker process of ``python`` (default: this interpreter), this package on its
     ``PYTHONPATH``. ``config``: the worker's (``model``, ``aux_ids``, ``storage``, ``dtype``, ``max_model_len``,
-    ``cpu_connector``, ``engine_args``, ``env``); its log goes to ``log``."""
+    ``cpu_connector``, ``engine_args``, ``env``); its log goes to ``log``. ``worker``: the program after the
+    interpreter (default: ``-m lightning_eagle.serving.extract_worker``; a reference speaking the same protocol, e.g.
+    the engine tests' Hugging Face worker, can stand in)."""
 
-    def __init__(self, config: dict[str, Any], log: Path, python: str | None = None, start_timeout: float = 1800.0):
+    WORKER = ("-m", "lightning_eagle.serving.extract_worker")
+
+    def __init__(self, config: dict[str, Any], log: Path, python: str | None = None, start_timeout: float = 1800.0,
+                 worker: Sequence[str] = WORKER):  # fmt: skip
         self.log_path, self.where = Path(log), f"the vLLM worker (log: {log})"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         handle, config_path = tempfile.mkstemp(prefix="extract-worker-", suffix=".json")
@@ -107,12 +113,15 @@ class WorkerEngine(FeatureEngine):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [python or sys.executable, "-m", "lightning_eagle.serving.extract_worker", config_path],
+            [python or sys.executable, *worker, config_path],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env, text=True,
             start_new_session=True,  # its engine processes are stopped with it
         )  # fmt: skip
         try:
             ready = self._receive(start_timeout)
+        except BaseException:
+            self._kill()  # a refused, failed or stuck start leaves no process behind
+            raise
         finally:
             os.unlink(config_path)
         self.version, self.env = str(ready.get("vllm", "unknown")), dict(ready.get("env") or {})
@@ -155,9 +164,13 @@ class WorkerEngine(FeatureEngine):
             try:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+                self._kill()
+        self._log.close()
+
+    def _kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # the worker's session: vLLM's engine processes too
+        self.process.wait()
         self._log.close()
 
 

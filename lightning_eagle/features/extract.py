@@ -88,6 +88,10 @@ class Producer:
         self.pending = [k for k in shard_order(self.made) if not self._done(k)]
         self.check_disk()
 
+    written: dict[str, float] | None = (
+        None  # after run(): tokens written and the seconds it took (engine start excluded)
+    )
+
     def _done(self, k: int) -> dict[str, Any] | None:
         return shard_done(self.out_dir, k, len(self.made.shard_rows(k)))
 
@@ -154,6 +158,7 @@ class Producer:
                 self.log(f"extract: {info['shard']} ({info['rows']} rows, {info['tokens']} tokens) [{done}/"
                          f"{self.made.num_shards}]")  # fmt: skip
         seconds = time.perf_counter() - started
+        self.written = {"tokens": tokens, "seconds": seconds}
         self.log(f"extract: {tokens} tokens in {seconds:.1f} s = {tokens / max(seconds, 1e-9):.0f} tokens/s")
 
     def _wait_for_room(self, k: int) -> None:

@@ -9,47 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 from eagle_helpers import data_kwargs, eagle_module
-from safetensors.torch import load_file, save_file
+from k3_engine import OurK3Engine
+from safetensors.torch import load_file
 
 from lightning_eagle import ChatDataModule
 from lightning_eagle.features import HiddenStateDataModule
 from lightning_eagle.features import format as fmt
 from lightning_eagle.features.dump import dump_features
-from lightning_eagle.features.engine_client import FeatureEngine
 from lightning_eagle.features.engine_ids import engine_ids
 from lightning_eagle.features.extract import Producer
-from lightning_eagle.k3.model import KimiK3ForCausalLM
 
 MODULE = {"target": "quickstart", "aux_layer_ids": [3, 1, 4], "aux_stream": "mixed", "target_dtype": "float32",
           "ttt_steps": 2, "draft": {"intermediate_size": 64}}  # fmt: skip
 DATA = data_kwargs(batch_size=4, max_length=96)
-
-
-class OurK3Engine(FeatureEngine):
-    """vLLM's file contract, computed by our K3 (stream mixed)."""
-
-    def __init__(self, ids, storage: Path) -> None:
-        self.ids, self.storage, self.version, self.where = list(ids), storage, "test", "our K3"
-        self.env = {"VLLM_KIMI_K3_AUX_ATTN_RES_STREAM": "1"}
-        self.model = KimiK3ForCausalLM.from_pretrained("quickstart", dtype=torch.float32)
-        self.count = 0
-
-    def capture(self, prompts):
-        paths = []
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            L = self.model.config.num_hidden_layers
-            taps = [i - 1 for i in self.ids if 0 < i < L]
-            cap = self.model.capture(ids, aux_layer_ids=taps, aux_stream="mixed", return_prenorm=True)
-            H = cap.final_prenorm.shape[-1]
-            columns = list(cap.aux_hidden_states[0].reshape(len(prompt), len(taps), H).unbind(1))
-            if L in self.ids:
-                columns.append(cap.final_prenorm[0])
-            path = self.storage / f"req-{self.count}.safetensors"
-            self.count += 1
-            save_file({"hidden_states": torch.stack(columns, 1).contiguous(), "token_ids": ids[0]}, str(path))
-            paths.append(path)
-        return paths
 
 
 def _producer(out: Path, **kw) -> Producer:
@@ -117,3 +89,77 @@ def test_streaming_fit_stops_when_the_producer_dies(tmp_path):
     with pytest.raises(RuntimeError, match=r"shard-00000.safetensors is not written and the producer .* failed: "
                        r"RuntimeError: engine gone: restart `lightning-eagle extract`"):  # fmt: skip
         data.train_dataset[0]
+
+
+def _chats(folder: Path, rows: int) -> Path:
+    from lightning_eagle.data.synthetic_corpus import bundled_sample_path
+
+    path = folder / "chats.jsonl"
+    path.write_text("".join(bundled_sample_path().read_text().splitlines(keepends=True)[:rows]))
+    return path
+
+
+def _extract_words(tmp_path: Path, *more: str) -> list[str]:
+    return ["--config", "quickstart", "--model.target.aux_stream", "mixed", "--data.train_files",
+            str(_chats(tmp_path, 12)), "--data.max_length", "96", "--trainer.default_root_dir", str(tmp_path / "run"),
+            "--out", str(tmp_path / "features"), "--dtype", "float32", "--shard-rows", "4", "--no-progress",
+            *more]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("reported", "served", "message"),
+    [
+        (
+            {"VLLM_KIMI_K3_AUX_ATTN_RES_STREAM": False},
+            [],
+            r"runs with VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=0, this run trains on the 'mixed' stream",
+        ),
+        (None, [], r"VLLM_KIMI_K3_AUX_ATTN_RES_STREAM is not reported\): start it with VLLM_SERVER_DEV_MODE=1"),
+        (None, ["VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=0"], "runs with VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=0"),
+        ({"VLLM_KIMI_K3_AUX_ATTN_RES_STREAM": True}, [], None),
+        (None, ["VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1"], None),
+    ],
+    ids=["reports-stream-0", "reports-nothing", "declared-stream-0", "reports-stream-1", "declared-stream-1"],
+)
+def test_cli_extract_from_a_server_checks_its_stream_before_any_request(tmp_path, reported, served, message):
+    """``cli.py extract --vllm-url``: the stream the server captures must be the run's (reported at /server_info
+    under VLLM_SERVER_DEV_MODE=1, or declared with --served-env), else nothing is asked of it."""
+    from k3_engine import FakeVllmServer
+
+    from lightning_eagle.commands.extract import main
+
+    (tmp_path / "engine").mkdir()
+    engine = OurK3Engine([2, 4, 5, 6], tmp_path / "engine", version="0.32.0")
+    with FakeVllmServer(engine, reported_env=reported) as server:
+        declared = [w for item in served for w in ("--served-env", item)]
+        words = _extract_words(tmp_path, "--model.target.aux_layer_ids", "[3, 1, 4]", "--vllm-url", server.url,
+                               "--concurrency", "2", *declared)  # fmt: skip
+        if message is not None:
+            with pytest.raises(ValueError, match=message):
+                main(words)
+            assert server.requests == 0 and not list((tmp_path / "features").glob("shard-*"))
+            return
+        main(words)
+    manifest = fmt.read_json(tmp_path / "features" / fmt.MANIFEST_NAME)
+    assert manifest["engine"]["env"] == {"VLLM_KIMI_K3_AUX_ATTN_RES_STREAM": "1"}
+    assert manifest["engine"]["ids"] == [2, 4, 5, 6]
+    assert server.requests == sum(manifest["rows"].values()) == 9  # one request per row (9 of the 12 chats fit)
+    assert not list((tmp_path / "engine").iterdir())  # every file read and removed
+    data = HiddenStateDataModule(str(tmp_path / "features"), batch_size=4)
+    data.setup("fit")
+    assert next(iter(data.train_dataloader()))["aux_hidden_states"].shape[-1] == 3 * 128
+
+
+def test_cli_extract_refuses_the_prefix_stream_and_prints_the_serve_line(tmp_path, capsys):
+    from lightning_eagle.commands.extract import main
+
+    words = ["--config", "quickstart", "--model.target.aux_layer_ids", "[3, 1, 4]",
+             "--trainer.default_root_dir", str(tmp_path / "run")]  # fmt: skip
+    with pytest.raises(ValueError, match=r"aux_stream 'prefix' extracts with VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=0"):
+        main([*words, "--vllm-url", "http://127.0.0.1:9"])  # refused before any connection
+    main([*words, "--model.target.aux_stream", "mixed", "--print-serve-line", "--vllm-storage", "/data/hs"])
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1 VLLM_SERVER_DEV_MODE=1 vllm serve ")
+    assert '"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 6]' in line and '"shared_storage_path": "/data/hs"' in line
+    main([*words, "--print-serve-line", "--final-id-is-output"])  # a vLLM with the fix: stream 0 allowed
+    assert capsys.readouterr().out.startswith("VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=0 ")
