@@ -72,6 +72,14 @@ def test_extract_equals_dump(tmp_path):
     # resumed: a finished folder is skipped shard by shard, nothing rewritten
     again = _producer(tmp_path / "extracted")
     assert again.pending == []
+    # the stream the engine captured is the stream a draft trains on (and the one its export names)
+    prefix = eagle_module(**{**MODULE, "aux_stream": "prefix"}, target_source="features")
+    trainer = pl.Trainer(default_root_dir=str(tmp_path), **trainer_kw)
+    trainer.datamodule, prefix._trainer = whole, trainer
+    with pytest.raises(
+        ValueError, match=r"tap layers \[3, 1, 4\] \(mixed stream\), this module trains on \[3, 1, 4\] \(prefix\)"
+    ):
+        prefix.setup("fit")
 
 
 def test_streaming_fit_stops_when_the_producer_dies(tmp_path):
