@@ -8,7 +8,6 @@ is byte-identical afterwards, no checkpoint / export / cache appears).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -17,16 +16,15 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from string import Template
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from bad_input_helpers import GOOD, LIBRARY, SKIP_HINT, assert_raised_by_library, expect, fill, pattern, snapshot
 from draft_helpers import tiny_draft
 from eagle_helpers import data_kwargs, module_kwargs, trainer_kwargs
 from safetensors.torch import load_file, save_file
 
-import lightning_eagle
 from lightning_eagle import Eagle3Module, KimiK3Eagle3Draft, KimiK3ForCausalLM
 from lightning_eagle.checkpoint_io import CheckpointLoadError
 from lightning_eagle.commands.cli import main
@@ -39,39 +37,8 @@ from lightning_eagle.parallel.strategy import ExpertParallelStrategy
 from lightning_eagle.parallel.validate import UnsupportedLayoutError
 from lightning_eagle.training.run_folder import LOCK_NAME
 
-LIBRARY = Path(lightning_eagle.__file__).resolve().parent
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
-GOOD = {"messages": [{"role": "user", "content": "hi, how are you?"}, {"role": "assistant", "content": "fine, thanks"}]}
-SKIP_HINT = "set on_bad_row='skip' (CLI: --data.on_bad_row skip)"
 LM_HEAD = "language_model.lm_head.weight"
-
-
-# ---- shared checks ---------------------------------------------------------------------------------------------------
-def snapshot(root: Path) -> dict[str, str]:
-    """Every path under ``root`` (hidden ``.partial`` leftovers included) → content hash, or ``"dir"``."""
-    return {
-        str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-        for p in sorted(root.rglob("*"))
-    }
-
-
-def fill(fragments: list[str], **paths) -> list[str]:
-    return [Template(f).safe_substitute({k: str(v) for k, v in paths.items()}) for f in fragments]
-
-
-def pattern(fragments: list[str]) -> str:
-    """The fragments, in order, anywhere in the message (``pytest.raises(match=...)`` searches)."""
-    return "(?s)" + ".*".join(re.escape(f) for f in fragments)
-
-
-def assert_raised_by_library(info: pytest.ExceptionInfo) -> None:
-    """Not a traceback from deep inside a dependency: the innermost frame is this library's code."""
-    where = Path(str(info.traceback[-1].path)).resolve()
-    assert LIBRARY in where.parents, f"{info.typename} raised at {where}:{info.traceback[-1].lineno + 1}"
-
-
-def expect(exc: type[BaseException], fragments: list[str], **paths):
-    return pytest.raises(exc, match=pattern(fill(fragments, **paths)))
 
 
 # ---- fixtures built once --------------------------------------------------------------------------------------------
@@ -401,6 +368,10 @@ FIT = ["fit", "--config", "$quickstart", "--trainer.max_steps", "1", "--trainer.
 DUMP = ["dump", "--config", "$quickstart", "--trainer.default_root_dir", "$root", "--data.train_files", "$rows",
         "--data.use_cache", "false"]  # fmt: skip
 
+DSPARK_FIT = ["fit", "--config", "quickstart_dspark", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0",
+              "--trainer.default_root_dir", "$root", "--data.train_files", "$rows", "--data.use_cache", "false",
+              "--data.val_fraction", "0"]  # fmt: skip
+
 CLI_CASES = [
     pytest.param([*FIT, "--config", "$bad_yaml"], 2,
                  ["Subcommand 'fit' does not accept option 'model.not_a_key'"], id="yaml-unknown-key"),
@@ -536,6 +507,16 @@ CLI_CASES = [
                   "got 0"], id="dump-zero-token-chunk"),
     pytest.param(["memory-plan", "--config", "kimi_k3_eagle3", "--target-config", "k33"], 2,
                  ["error: --target-config: 'k33' is neither a preset (k3, k3-tiny"], id="plan-unknown-preset"),
+    # DSpark checks its data and sizes before it spends anything (before: loss 0, tau_sim 0, an untrained export)
+    pytest.param([*DSPARK_FIT, "--data.train_files", "$unanchored"], 1,
+                 ["error: no training row holds a DSpark anchor (two consecutive supervised tokens, loss_mask[p] and "
+                  "loss_mask[p+1]): all 4 rows would train nothing"], id="dspark-data-without-an-anchor"),
+    pytest.param([*DSPARK_FIT, "--model.draft.config", '{"block_size": 300}'], 1,
+                 ["error: the DSpark block size 300 (model.draft) is not below data.max_length 256"],
+                 id="dspark-block-longer-than-a-row"),
+    pytest.param([*DSPARK_FIT, "--model.target.aux_layer_ids", "[]"], 1,
+                 ["error: model.target.aux_layer_ids is empty: list the drafter's taps, or leave it unset (null) for "
+                  "preset 'k3-tiny'"], id="dspark-empty-taps"),
 ]  # fmt: skip
 
 
@@ -551,6 +532,8 @@ def test_cli(tmp_path, chat_rows, trained_ckpt, monkeypatch, capsys, argv, statu
     bad_yaml.write_text("model:\n  not_a_key: 1\n")
     first_only = inputs / "first_only.jsonl"
     first_only.write_text((json.dumps({"input_ids": [256, 5, 6, 7], "loss_mask": [1, 0, 0, 0]}) + "\n") * 2)
+    unanchored = inputs / "unanchored.jsonl"  # supervised tokens, never two in a row: no DSpark anchor
+    unanchored.write_text((json.dumps({"input_ids": [256, 5, 6, 7, 8, 9], "loss_mask": [0, 1, 0, 1, 0, 1]}) + "\n") * 4)
     truncated = inputs / "truncated.ckpt"
     truncated.write_bytes(ckpt.read_bytes()[:2000])
     existing = inputs / "existing"
@@ -559,7 +542,7 @@ def test_cli(tmp_path, chat_rows, trained_ckpt, monkeypatch, capsys, argv, statu
     root = tmp_path / "run"
     paths = dict(quickstart=QUICKSTART, root=root, rows=rows, bad_rows=bad_rows, bad_yaml=bad_yaml, ckpt=ckpt,
                  truncated=truncated, existing=existing, tmp=tmp_path, inputs=inputs,
-                 first_only=first_only)  # fmt: skip
+                 first_only=first_only, unanchored=unanchored)  # fmt: skip
     monkeypatch.chdir(tmp_path)  # anything written relative to the working folder would show in the snapshot
     before = snapshot(tmp_path)
     with pytest.raises(SystemExit) as exit_info:

@@ -55,6 +55,20 @@ class FeatureRows(torch.utils.data.Dataset):
         parts = [torch.diff(self._shard(k)[1]) for k in range(first, last + 1)]
         return torch.cat(parts)[begin : begin + len(self)]
 
+    def loss_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss_mask, offsets)`` of rows ``[start, stop)``, flat: their supervision without reading any state."""
+        if self.stop <= self.start:
+            return torch.zeros(0, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
+        (first, begin), (last, end) = self._locate(self.start), self._locate(self.stop - 1)
+        masks, lengths = [], []
+        for k in range(first, last + 1):
+            handle, offsets = self._shard(k)
+            lo = begin if k == first else 0
+            hi = end + 1 if k == last else offsets.numel() - 1
+            masks.append(handle.get_slice("loss_mask")[int(offsets[lo]) : int(offsets[hi])])
+            lengths.append(torch.diff(offsets[lo : hi + 1]))
+        return torch.cat(masks), torch.cat([torch.zeros(1, dtype=torch.int64), torch.cat(lengths).cumsum(0)])
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(i)

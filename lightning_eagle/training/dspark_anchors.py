@@ -41,12 +41,24 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
     return candidates
 
 
+def rows_with_anchors(loss_mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``[N]`` bool: which rows of a flat ``loss_mask`` (row ``i`` = ``offsets[i]:offsets[i+1]``) hold an anchor
+    candidate (two consecutive supervised tokens), in one pass over the tokens."""
+    mask = loss_mask.to(torch.bool)
+    pairs = torch.zeros(mask.numel() + 1, dtype=torch.long)
+    pairs[1:-1] = (mask[:-1] & mask[1:]).long()  # the pair (t, t+1) counted at index t + 1
+    pairs[offsets[1:-1].long()] = 0  # a pair across a row boundary is counted at the next row's start: none
+    counts = pairs.cumsum(0)
+    return counts[offsets[1:].long()] - counts[offsets[:-1].long()] > 0
+
+
 def sample_anchors(
     loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(anchors [B,A] long, keep [B,A] bool)``: per row ``min(A, candidates)`` anchors drawn uniformly without
-    replacement from :func:`anchor_candidates`, sorted ascending; the rest of the row is padding (anchor 0,
-    ``keep`` False) after the kept ones.
+    """``(anchors [B,A] long, keep [B,A] bool)`` with ``A = min(num_anchors, T)`` (a row holds at most T anchors: the
+    step never pads beyond that, and the memory plan counts the same A): per row ``min(A, candidates)`` anchors drawn
+    uniformly without replacement from :func:`anchor_candidates`, sorted ascending; the rest of the row is padding
+    (anchor 0, ``keep`` False) after the kept ones.
 
     Uniform without replacement: every position gets an independent uniform score, non-candidates score above any
     candidate, and the ``A`` lowest scores are taken (a uniformly random subset of the candidates). The scores are
@@ -66,11 +78,8 @@ def sample_anchors(
     real = candidates.gather(1, picked)
     # sorting puts the real anchors first, ascending; padding (key T) after them
     ordered = torch.where(real, picked, torch.full_like(picked, T)).sort(dim=1).values
-    keep = torch.zeros(B, num_anchors, dtype=torch.bool, device=device)
-    anchors = torch.zeros(B, num_anchors, dtype=torch.long, device=device)
-    keep[:, :taken] = ordered < T
-    anchors[:, :taken] = torch.where(keep[:, :taken], ordered, torch.zeros_like(ordered))
-    return anchors, keep
+    keep = ordered < T
+    return torch.where(keep, ordered, torch.zeros_like(ordered)), keep
 
 
 @dataclass

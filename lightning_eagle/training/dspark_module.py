@@ -42,6 +42,7 @@ from lightning_eagle.run_settings import OptimizationSettings, TargetSettings
 from lightning_eagle.training import draft_checkpoint as ckpt
 from lightning_eagle.training.draft_training import DraftTrainingModule
 from lightning_eagle.training.dspark_anchors import anchor_generator, block_targets, sample_anchors
+from lightning_eagle.training.dspark_data import check_anchor_rows, check_block_fits
 from lightning_eagle.training.dspark_metrics import DSparkMetrics, dspark_block_stats, summarize
 from lightning_eagle.training.dspark_objective import (
     DSparkCoefficients,
@@ -75,6 +76,11 @@ def dspark_run_spec(
     the target's text config standing in for a checkpoint folder that is not on this machine (the memory plan)."""
     if draft.preset not in DSPARK_PRESETS:
         raise ValueError(f"model.draft.preset {draft.preset!r} is unknown; choose one of {sorted(DSPARK_PRESETS)}")
+    if target.aux_layer_ids is not None and len(target.aux_layer_ids) == 0:
+        raise ValueError(
+            "model.target.aux_layer_ids is empty: list the drafter's taps, or leave it unset (null) for preset "
+            f"{draft.preset!r}'s {list(DSPARK_PRESETS[draft.preset]['aux_layer_ids'])}"
+        )
     taps = target.aux_layer_ids or tuple(DSPARK_PRESETS[draft.preset]["aux_layer_ids"])
     where = "model.target.aux_layer_ids" + ("" if target.aux_layer_ids else f" (preset {draft.preset!r}'s)")
     try:
@@ -216,6 +222,9 @@ class DSparkModule(DraftTrainingModule):
             )
         check_dspark_sequence_parallel(self.placement.draft_sequence_parallel_size)
         refuse_unshardable_draft(self)
+        check_block_fits(self.block_size, getattr(datamodule, "max_length", None))
+        if stage == "fit":
+            check_anchor_rows(datamodule)
 
     # ---- steps ----------------------------------------------------------------------------------------------------
     def anchor_stream(self, step: int) -> torch.Generator:
@@ -290,6 +299,11 @@ class DSparkModule(DraftTrainingModule):
 
     def _log_evaluation_metrics(self, prefix: str) -> None:
         metrics = self.val_metrics.compute()  # sums are all-reduced before the division
+        if int(self.val_metrics.blocks) == 0 and not self.trainer.sanity_checking:
+            raise ValueError(
+                f"{prefix}: no DSpark block in {int(self.val_metrics.rows)} rows (no two consecutive supervised "
+                f"tokens): {prefix}/tau_sim would be 0, below its minimum of 1. Check the {prefix} data's loss mask"
+            )
         tau = metrics.pop("tau_sim")
         self.log_dict({f"{prefix}/{k}": v for k, v in metrics.items()}, sync_dist=False)
         self.log(f"{prefix}/tau_sim", tau, prog_bar=True, sync_dist=False)

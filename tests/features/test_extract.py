@@ -18,6 +18,7 @@ from lightning_eagle.features import format as fmt
 from lightning_eagle.features.dump import dump_features
 from lightning_eagle.features.engine_ids import engine_ids
 from lightning_eagle.features.extract import Producer
+from lightning_eagle.training.dspark_data import anchor_rows
 
 MODULE = {"target": "quickstart", "aux_layer_ids": [3, 1, 4], "aux_stream": "mixed", "target_dtype": "float32",
           "ttt_steps": 2, "draft": {"intermediate_size": 64}}  # fmt: skip
@@ -69,6 +70,9 @@ def test_extract_equals_dump(tmp_path):
     assert sorted(rows) == sorted(
         int(whole.train_dataset[i]["input_ids"].sum()) for i in range(len(whole.train_dataset))
     )
+    # a DSpark run reads which rows hold an anchor from the shards' masks alone (tests/test_bad_inputs.py)
+    masks = [whole.train_dataset[i]["loss_mask"].bool() for i in range(len(whole.train_dataset))]
+    assert anchor_rows(whole.train_dataset).tolist() == [bool((m[:-1] & m[1:]).any()) for m in masks]
     # resumed: a finished folder is skipped shard by shard, nothing rewritten
     again = _producer(tmp_path / "extracted")
     assert again.pending == []

@@ -317,3 +317,29 @@ def test_one_offline_step_equals_the_online_step(tmp_path):
     torch.testing.assert_close(loss_off, loss_on, rtol=1e-5, atol=1e-6)
     for name, grad in grads_on.items():
         torch.testing.assert_close(grads_off[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_anchor_rows_are_counted_before_training_and_anchors_never_exceed_a_row(tmp_path, caplog):
+    """Half the rows hold no anchor (supervised tokens, never two in a row): the run says how many train; the step
+    samples at most T anchors a row however many are asked (what the memory plan counts)."""
+    from lightning_eagle.data.datamodule import ChatDataModule
+    from lightning_eagle.training.dspark_data import anchor_rows, check_anchor_rows
+
+    rows = tmp_path / "rows.jsonl"
+    lines = [{"input_ids": [256, 5, 6, 7, 8, 9], "loss_mask": [0, 1, 0, 1, 0, 1]},
+             {"input_ids": [256, 5, 6, 7, 8, 9], "loss_mask": [0, 0, 1, 1, 0, 0]}] * 2  # fmt: skip
+    rows.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    data = ChatDataModule(train_files=[str(rows)], val_fraction=0.0, use_cache=False, batch_size=2)
+    data.setup("fit")
+    assert anchor_rows(data.train_dataset).sum().item() == 2
+    with caplog.at_level("WARNING"):
+        check_anchor_rows(data)
+    assert (
+        "2 of 4 training rows hold a DSpark anchor (two consecutive supervised tokens); the other 2 train nothing"
+        in (caplog.text)
+    )
+    module = DSparkModule(TINY_TARGET, TINY_DRAFT, DSparkObjectiveSettings(num_anchors=8192, loss_backend="plain"))
+    module.configure_model()
+    batch = next(iter(data.train_dataloader()))
+    _, blocks, keep = module.shared_step(batch, anchor_generator(0, 0, 0))
+    assert keep.shape == (2, batch["input_ids"].shape[1])  # not 8192 blocks per row

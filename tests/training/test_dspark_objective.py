@@ -59,6 +59,7 @@ def test_anchors_follow_the_candidate_rule_sorted_and_padded():
 def test_more_anchors_than_positions_and_bad_arguments():
     loss_mask = torch.ones(2, 4, dtype=torch.bool)
     anchors, keep = sample_anchors(loss_mask, 10, anchor_generator(1, 2, 3))
+    assert keep.shape == (2, 4)  # a row of 4 positions holds at most 4 anchors: no padding beyond (the plan's A)
     assert keep.sum(1).tolist() == [3, 3] and anchors[:, :3].tolist() == [[0, 1, 2]] * 2
     with pytest.raises(ValueError, match="num_anchors must be an int >= 1"):
         sample_anchors(loss_mask, 0, anchor_generator(0, 0, 0))
