@@ -874,3 +874,16 @@ def test_the_memory_plan_answers_an_absurd_max_length_at_once(tmp_path, capsys):
     main(["memory-plan", "--config", str(config), "--target-config", "k3"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("does not fit: peak ") and "no layout up to 256 nodes x 8 GPUs fits" in last, last
+
+
+def test_the_dspark_memory_plan_refuses_what_the_step_refuses(tmp_path, capsys):
+    """Before: ``block_size 300`` with ``max_length 256`` was planned as "fits", then the step failed after a minute
+    on a 47 GB allocation; the plan now refuses it as the module does."""
+    config = tmp_path / "dspark.yaml"
+    text = (LIBRARY / "configs" / "quickstart_dspark.yaml").read_text()
+    config.write_text(text.replace("preset: k3-tiny", "preset: k3-tiny\n      config: {block_size: 300}", 1))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["memory-plan", "--config", str(config), "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err  # memory-plan's refusals of a config: usage (2)
+    assert "error: the DSpark block size 300 (model.draft) is not below data.max_length 256" in err, err

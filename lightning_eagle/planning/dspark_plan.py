@@ -20,6 +20,7 @@ from lightning_eagle.planning.dspark_census import dspark_step_census
 from lightning_eagle.planning.family import PlanningFamily, register_planning_family
 from lightning_eagle.planning.inputs import PlanInputs
 from lightning_eagle.planning.terms import OPTIMIZER_STEP, RESIDENT, TARGET_FORWARD, Term, dtype_name, gb, shard
+from lightning_eagle.training.dspark_data import check_block_fits
 from lightning_eagle.training.dspark_settings import check_dspark_sequence_parallel
 
 DSPARK_PHASES = (TARGET_FORWARD, "teacher head", "draft blocks", OPTIMIZER_STEP)
@@ -90,9 +91,10 @@ def dspark_draft_shapes(config: DSparkDraftConfig) -> DraftShapes:
 
 
 def check_dspark(inputs: PlanInputs) -> None:
-    """What the plan refuses for a DSpark run: draft sequence parallelism (as the module does), a device other than
-    CUDA (the census counts CUDA's attention kernel)."""
+    """What the plan refuses for a DSpark run: what the module refuses (draft sequence parallelism, a block no row can
+    hold), a device other than CUDA (the census counts CUDA's attention kernel)."""
     check_dspark_sequence_parallel(inputs.draft_sp)
+    check_block_fits(inputs.draft.block_size, inputs.seq_len)
     if inputs.device != "cuda":
         raise ValueError(f"--device {inputs.device}: the DSpark plan counts CUDA's attention kernel only")
 
