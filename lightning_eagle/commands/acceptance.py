@@ -15,6 +15,13 @@ and its reliability diagram as ``calibration.png`` (:mod:`lightning_eagle.infere
 ``max_position_embeddings``, prefilled in chunks. Without them: :func:`~lightning_eagle.inference.evaluate_acceptance`
 on ``--data`` (default the held-out split of the bundled corpus), with the plain-decoding speed-up.
 
+Everything the run reads and writes is checked before a model is loaded, each refusal one ``error:`` line naming the
+file or flag: the outputs (``--out``'s folder, ``--json``'s file: creatable, writable, of the right kind), the target's
+``config.json`` (context lengths past its ``max_position_embeddings`` need ``--allow-extrapolation`` and never pass
+:data:`~lightning_eagle.inference.acceptance.MAX_EXTRAPOLATION` times it; a length given twice is refused), the prompt
+files (read by the training data's readers: compression, encoding, nesting depth; a prompt longer than the target holds
+is named by file and line), the draft's ``config.json``, and ``--data``'s prompts.
+
 Sampling is the cards': temperature 1, top-p 0.95 on the target's law and the draft's, rejection sampling (lossless
 in distribution); ``--temperature 0`` is greedy. The draft family is read from the export's ``config.json``
 (:mod:`lightning_eagle.inference.draft_families`). ``--tokenizer`` (default ``synthetic``) must be the target's.
@@ -23,6 +30,7 @@ in distribution); ``--temperature 0`` is greedy. The draft family is read from t
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -30,6 +38,7 @@ import torch
 
 from lightning_eagle.commands.arguments import CommandParser
 from lightning_eagle.dtypes import DTYPES
+from lightning_eagle.errors import RunError
 from lightning_eagle.inference.decoding_settings import DecodingSettings
 from lightning_eagle.inference.incremental_target import DEFAULT_PREFILL_CHUNK
 from lightning_eagle.inference.speculative import DEFAULT_NUM_DRAFT_TOKENS
@@ -94,15 +103,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a bad flag, file, checkpoint or output folder raises (RunError: an output the OS refuses, named).
+INPUT_ERRORS = (ValueError, KeyError, OSError, RunError)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the report; a bad flag, file or checkpoint ends in one ``error:`` line and exit status 1."""
     try:
         _report(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
-    except (ValueError, KeyError, OSError) as err:  # the input is wrong (the message names it), not the library
+    except INPUT_ERRORS as err:  # the input is wrong (the message names it), not the library
         raise SystemExit(f"error: {err.args[0] if isinstance(err, KeyError) and err.args else err}") from None
 
 
-def _report(args: argparse.Namespace) -> None:
+# What the per-set report writes into its folder (--out).
+CARD_FILES = ("acceptance.json", "acceptance.png", "calibration.png")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Every flag under its own name, before anything is read."""
+    for flag, value, wanted in (("--temperature", args.temperature, ">= 0 (0 = greedy)"),
+                                ("--top-p", args.top_p, "in (0, 1] (1 = no nucleus truncation)")):  # fmt: skip
+        if not math.isfinite(value):
+            raise ValueError(f"{flag} must be a finite number {wanted}, got {value!r}")
     check_settings("", {  # each numeric flag under its own name, before any model is read
         "--num-prompts": (args.num_prompts, "positive", int),
         "--max-new-tokens": (args.max_new_tokens, "positive", int),
@@ -117,6 +139,43 @@ def _report(args: argparse.Namespace) -> None:
     })  # fmt: skip
     if args.top_p > 1:
         raise ValueError(f"--top-p must be in (0, 1] (1 = no nucleus truncation), got {args.top_p!r}")
+    card = args.benchmarks is not None or args.context_lengths is not None
+    unused = [(flag, value) for flag, value in ((("--json", args.json), ("--data", args.data)) if card else
+              (("--out", args.out),)) if value is not None]  # fmt: skip
+    if unused:
+        flag = unused[0][0]
+        what = ("the chat report's (without --benchmarks / --context-lengths; the per-set report writes "
+                "acceptance.json under --out)" if card else "the per-set report's (with --benchmarks or "
+                "--context-lengths; the chat report writes its JSON to --json FILE)")  # fmt: skip
+        raise ValueError(f"{flag} is {what}: it would be ignored here")
+
+
+def _check_outputs(args: argparse.Namespace, card: bool) -> Path | None:
+    """Refuse, before anything is loaded, an output this run could not write at its end: a folder (``--out``) that
+    cannot be created or written into, a file in the place of a folder or a folder in the place of a file. Returns the
+    per-set report's folder (None for the chat report)."""
+    from lightning_eagle.atomic import check_writable
+
+    if card:
+        out = Path(args.out) if args.out else Path(args.draft).resolve().parent / "acceptance"
+        what = "the report folder (--out)" if args.out else "the report folder (default: beside --draft, or --out)"
+        check_writable(out, what)
+        for name in CARD_FILES:
+            if (out / name).is_dir():
+                raise ValueError(f"{what} {out}: {out / name} is a folder, where the report writes the file {name}")
+        return out
+    if args.json is not None:
+        path = Path(args.json)
+        if path.is_dir() or args.json.endswith(("/", "\\")):
+            raise ValueError(f"--json {args.json}: a folder, not a file: give the file the report is written to")
+        if path.exists() and not path.is_file():
+            raise ValueError(f"--json {args.json}: not a regular file (a pipe or a device): give a file")
+        check_writable(path.absolute().parent, "--json's folder")
+    return None
+
+
+def _report(args: argparse.Namespace) -> None:
+    _check_flags(args)
     # the decoding settings, made once from the checked flags; K None = the draft family's own, filled in below
     decoding = DecodingSettings(
         max_new_tokens=args.max_new_tokens,
@@ -127,21 +186,28 @@ def _report(args: argparse.Namespace) -> None:
         aux_layer_ids=args.aux_layer_ids,
         prefill_chunk=args.prefill_chunk or None,
     )
+    card = args.benchmarks is not None or args.context_lengths is not None
+    out = _check_outputs(args, card)
     # Imported after parsing: `--help` and a bad flag answer without loading the model code.
+    from lightning_eagle.data.tokenizer_choice import resolve_tokenizer
     from lightning_eagle.inference.draft_families import load_draft
+    from lightning_eagle.inference.prompt_set_run import check_context_lengths, parse_context_lengths
     from lightning_eagle.k3 import KimiK3ForCausalLM
-    from lightning_eagle.k3.loader import named_target
+    from lightning_eagle.k3.loader import read_config, resolve_target_path
 
-    lengths = None
-    if args.context_lengths is not None:
-        from lightning_eagle.inference.prompt_set_run import parse_context_lengths
-
-        lengths = parse_context_lengths(args.context_lengths)
+    lengths = None if args.context_lengths is None else parse_context_lengths(args.context_lengths)
     names = None if args.benchmarks is None else [n.strip() for n in args.benchmarks.split(",") if n.strip()]
     if names is not None and not names:
         raise ValueError("--benchmarks names no prompt set")
-    if names is not None:  # a missing package or unknown set is refused before any model is read
+    target_path = resolve_target_path(args.target)
+    config = read_config(target_path)  # its config only: what it holds, before its weights
+    if lengths is not None:
+        check_context_lengths(lengths, config, args.allow_extrapolation)
+    options = {"thinking": not args.no_thinking, "thinking_effort": args.thinking_effort}
+    sets, prompts = [], None
+    if names is not None:  # a missing package, unknown set, bad file or too long a prompt: before any model is read
         from lightning_eagle.data.prompt_sets import load_prompt_set
+        from lightning_eagle.inference.prompt_set_run import check_prompt_set_fits
 
         sets = [load_prompt_set(n, args.max_prompts) for n in names]
         twice = sorted({s.name for s in sets if [t.name for t in sets].count(s.name) > 1})
@@ -149,33 +215,63 @@ def _report(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--benchmarks names the set(s) {twice} more than once (a file's set is named by its stem)"
             )
+        tokenizer = resolve_tokenizer(args.tokenizer)
+        declared = getattr(config, "max_position_embeddings", None)
+        for prompt_set in sets:
+            longest = check_prompt_set_fits(prompt_set, tokenizer, config, options)
+            if declared is not None and longest > declared and not args.allow_extrapolation:
+                print(f"note: prompt set {prompt_set.name!r} has prompts of up to {longest} tokens, beyond the "
+                      f"target's max_position_embeddings {declared}: measured there anyway (K3's layers read no "
+                      "positions; --allow-extrapolation silences this note)", file=sys.stderr)  # fmt: skip
+    _check_draft(args.draft)  # before the chat report reads (and caches) its data
+    if not card:
+        prompts = _chat_prompts(args, config, options)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    target = KimiK3ForCausalLM.from_pretrained(named_target(args.target), dtype=dtype, device=args.device)
-    limit = getattr(target.config, "max_position_embeddings", None)
-    too_long = [n for n in lengths or () if limit is not None and n > limit]
-    if too_long and not args.allow_extrapolation:
-        raise ValueError(
-            f"--context-lengths {too_long} exceed the target's max_position_embeddings {limit}: K3's layers (KDA, NoPE "
-            "MLA) read no positions, so they would run, but beyond the length the target was declared for; add "
-            "--allow-extrapolation to measure them anyway"
-        )
+    target = KimiK3ForCausalLM.from_pretrained(target_path, dtype=dtype, device=args.device)
     family, draft = load_draft(args.draft, target, dtype, args.device)
     decoding = decoding.for_draft(draft)  # the family's own K (an EAGLE-3 export's ttt_steps, a DSpark block)
-    if names is None and lengths is None:
-        _chat_report(args, target, draft, decoding)
+    if not card:
+        _chat_report(args, target, draft, decoding, prompts)
         return
-    _card_report(args, target, draft, family, decoding, sets if names is not None else [], lengths or [])
+    _card_report(args, target, draft, family, decoding, sets, lengths or [], out)
 
 
-def _chat_report(args: argparse.Namespace, target, draft, decoding: DecodingSettings) -> None:
+def _check_draft(folder: str) -> None:
+    """The draft export's folder and family, from its ``config.json`` alone (its weights load with the target's)."""
+    from lightning_eagle.draft.family import export_config, export_family
+
+    if not Path(folder).is_dir():
+        raise ValueError(f"draft folder {folder!r} does not exist")
+    export_family(export_config(folder), str(Path(folder) / "config.json"))
+
+
+def _chat_prompts(args: argparse.Namespace, config, options: dict) -> list[list[int]]:
+    """The chat report's prompts (``--data``, default the bundled held-out chats), read before any model: an unreadable
+    file, no prompt, or a prompt longer than the target holds is refused naming the file and the flag that helps."""
+    from lightning_eagle.inference.acceptance import beyond_target, capped_prompts
+
+    data = "the bundled held-out chats" if args.data is None else f"--data {args.data}"
+    prompts = capped_prompts(args.data, args.tokenizer, args.num_prompts, options, args.max_prompt_tokens)
+    if not prompts:
+        capped = "" if args.max_prompt_tokens is None else f" of at most --max-prompt-tokens {args.max_prompt_tokens}"
+        raise ValueError(f"{data}: no prompt{capped} (a conversation up to an assistant turn)")
+    for i, prompt in enumerate(prompts):
+        problem = beyond_target(len(prompt), config)
+        if problem:
+            raise ValueError(f"{data}: prompt {i + 1} is {len(prompt)} tokens, {problem}; --max-prompt-tokens N skips "
+                             "longer prompts")  # fmt: skip
+    return prompts
+
+
+def _chat_report(args: argparse.Namespace, target, draft, decoding: DecodingSettings, prompts) -> None:
     from lightning_eagle.inference.acceptance import evaluate_acceptance, save_report
 
     report = evaluate_acceptance(
         target,
         draft,
-        args.data,
+        prompts,  # read before the models (_chat_prompts); capped again, to the same list
         decoding,
         tokenizer=args.tokenizer,
         num_prompts=args.num_prompts,
@@ -190,7 +286,14 @@ def _chat_report(args: argparse.Namespace, target, draft, decoding: DecodingSett
 
 
 def _card_report(
-    args: argparse.Namespace, target, draft, family: str, decoding: DecodingSettings, sets, lengths: list[int]
+    args: argparse.Namespace,
+    target,
+    draft,
+    family: str,
+    decoding: DecodingSettings,
+    sets,
+    lengths: list[int],
+    out: Path,
 ) -> None:
     """Every set, then every context length; the table on stdout, JSON and PNG under ``--out``."""
     from tqdm.auto import tqdm
@@ -235,7 +338,6 @@ def _card_report(
     for table in (calibration_table(summaries), calibration_table(context, title="context")):
         if table:
             print("\n" + table)
-    out = Path(args.out) if args.out else Path(args.draft).resolve().parent / "acceptance"
     record = {"target": args.target, "draft": args.draft, "draft_family": family, "setting": setting,
               "sets": summaries, "context_lengths": context}  # fmt: skip
     print(f"\nwritten: {write_json(record, out / 'acceptance.json')}")

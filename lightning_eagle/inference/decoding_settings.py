@@ -20,6 +20,7 @@ settings become a loop's arguments (the loops keep their own signatures:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,8 @@ class DecodingSettings:
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
 
     def __post_init__(self) -> None:
+        if isinstance(self.temperature, float) and not math.isfinite(self.temperature):  # not "must be >= 0"
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         check_settings("", {
             "max_new_tokens": (self.max_new_tokens, "non_negative", int),
             "temperature": (self.temperature, "non_negative", float),

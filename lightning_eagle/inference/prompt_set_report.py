@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from lightning_eagle.atomic import atomic_file
+
 
 def _number(x: Any, digits: int = 2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
@@ -73,8 +75,17 @@ def write_json(report: dict[str, Any], path: str | Path) -> Path:
         return value
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(clean(report), indent=2))
+    text = json.dumps(clean(report), indent=2)
+    with atomic_file(path) as partial:  # whole or not at all; a refusal of the OS names the file
+        partial.write_text(text)
+    return path
+
+
+def _save_png(fig, path: str | Path) -> Path:
+    """``fig`` as the PNG ``path``, written whole or not at all (the folder is made)."""
+    path = Path(path)
+    with atomic_file(path) as partial:
+        fig.savefig(partial, format="png")
     return path
 
 
@@ -120,10 +131,7 @@ def plot_acceptance(
     if caption:
         fig.suptitle(caption, fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    return _save_png(fig, path)
 
 
 def plot_calibration(sets: dict[str, dict[str, Any]], path: str | Path, caption: str = "") -> Path | None:
@@ -164,7 +172,4 @@ def plot_calibration(sets: dict[str, dict[str, Any]], path: str | Path, caption:
         ax.legend(fontsize=6)
     fig.suptitle(f"Confidence-head reliability{f' ({caption})' if caption else ''}", fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    return _save_png(fig, path)

@@ -20,7 +20,15 @@ from typing import Any
 import torch
 
 from lightning_eagle.data.prompt_sets import PromptSet
-from lightning_eagle.inference.acceptance import AcceptanceReport, check_prompt_ids, target_stop_ids
+from lightning_eagle.inference.acceptance import (
+    MAX_CONTEXT_LENGTH,
+    MAX_EXTRAPOLATION,
+    AcceptanceReport,
+    beyond_target,
+    check_prompt_ids,
+    context_bounds,
+    target_stop_ids,
+)
 from lightning_eagle.inference.decoding_settings import CARD_DECODING, DecodingSettings, check_decoding
 from lightning_eagle.inference.draft_families import decoding_loop
 from lightning_eagle.inference.speculative import SpeculativeOutput
@@ -52,14 +60,21 @@ def evaluate_prompt_set(
 
     decoding = check_decoding(decoding, "evaluate_prompt_set").for_draft(draft)
     options = {"thinking": True, "thinking_effort": None, **(render_options or {})}
+    check_prompt_set_fits(prompt_set, tokenizer, target.config, options)  # before the first turn is decoded
     stop = target_stop_ids(target)
     outputs: list[tuple[int, SpeculativeOutput]] = []
     with decoding_loop(draft) as generate:  # chains for EAGLE-3, blocks for DSpark; a training draft in eval mode
-        for conversation in prompt_set.conversations:
+        for index, conversation in enumerate(prompt_set.conversations):
             messages: list[dict[str, Any]] = []
-            for turn in conversation:
+            for number, turn in enumerate(conversation, start=1):
                 messages.append({"role": "user", "content": turn})
                 prompt = render_k3_chat(messages, tokenizer, add_generation_prompt=True, **options)
+                problem = beyond_target(len(prompt), target.config)  # the target's own answers made it longer
+                if problem:
+                    raise ValueError(
+                        f"{conversation_name(prompt_set, index)}: turn {number} with the target's answers before it "
+                        f"is {len(prompt)} tokens, {problem}"
+                    )
                 check_prompt_ids([prompt], target)
                 out = decoding.run(generate, target, draft, prompt, len(outputs), stop)
                 outputs.append((len(prompt), out))
@@ -77,6 +92,40 @@ def evaluate_prompt_set(
         top_p=decoding.top_p,
         max_new_tokens=decoding.max_new_tokens,
     )
+
+
+def conversation_name(prompt_set: PromptSet, index: int) -> str:
+    """Conversation ``index`` of a set as a refusal names it: the set, the conversation's number, and for a user's
+    file the file and line it came from."""
+    where = ""
+    if prompt_set.source is not None and prompt_set.lines is not None:
+        where = f" ({prompt_set.source}:{prompt_set.lines[index]})"
+    return f"prompt set {prompt_set.name!r}, conversation {index + 1}{where}"
+
+
+def check_prompt_set_fits(
+    prompt_set: PromptSet, tokenizer, config, render_options: dict[str, Any] | None = None
+) -> int:
+    """Refuse, before anything is decoded, a conversation whose user turns alone (no answers yet: the shortest its last
+    turn's prompt can be) render to more tokens than a target of ``config`` holds even extrapolated
+    (:func:`~lightning_eagle.inference.acceptance.context_bounds`); a ``ValueError`` naming the conversation. Returns
+    the longest of these lengths (what the command compares with the target's declared length)."""
+    from lightning_eagle.data.render_k3 import render_k3_chat
+
+    options = {"thinking": True, "thinking_effort": None, **(render_options or {})}
+    longest = 0
+    for index, conversation in enumerate(prompt_set.conversations):
+        messages = [{"role": "user", "content": turn} for turn in conversation]
+        length = len(render_k3_chat(messages, tokenizer, add_generation_prompt=True, **options))
+        longest = max(longest, length)
+        problem = beyond_target(length, config)
+        if problem:
+            what = (
+                "its prompt renders" if len(conversation) == 1 else f"its {len(conversation)} user turns alone render"
+            )
+            raise ValueError(f"{conversation_name(prompt_set, index)}: {what} to {length} tokens, {problem}; "
+                             "shorten it or leave it out")  # fmt: skip
+    return longest
 
 
 def set_summary(report: AcceptanceReport) -> dict[str, Any]:
@@ -121,17 +170,53 @@ def summary_metrics(prefix: str, summary: dict[str, Any]) -> dict[str, float]:
 
 
 def parse_context_lengths(text: str) -> list[int]:
-    """``"1k,4k,16k"`` → ``[1024, 4096, 16384]`` (``k`` = 1024, plain integers as given); refuses a bad entry."""
-    lengths = []
+    """``"1k,4k,16k"`` → ``[1024, 4096, 16384]`` (``k`` = 1024, plain integers as given); refuses a bad entry, a length
+    past :data:`~lightning_eagle.inference.acceptance.MAX_CONTEXT_LENGTH` (no target is measured there) and a length
+    given twice (each length is one row of the table and one key of the JSON)."""
+    lengths: dict[int, str] = {}
     for word in (w.strip().lower() for w in text.split(",")):
         scale = 1024 if word.endswith("k") else 1
         digits = word[:-1] if scale > 1 else word
-        if not digits.isdigit() or int(digits) * scale <= CONTEXT_LENGTH_SLACK:
+        if not (digits.isascii() and digits.isdigit()) or int(digits) * scale <= CONTEXT_LENGTH_SLACK:
             raise ValueError(
                 f"--context-lengths: {word!r} is not a length above {CONTEXT_LENGTH_SLACK} tokens (like 1k, 4k, 16384)"
             )
-        lengths.append(int(digits) * scale)
-    return lengths
+        length = int(digits) * scale
+        if length > MAX_CONTEXT_LENGTH:
+            raise ValueError(
+                f"--context-lengths: {word!r} is {length} tokens, beyond {MAX_CONTEXT_LENGTH // 1024}k "
+                f"({MAX_CONTEXT_LENGTH}), the longest context measured on any target ({MAX_EXTRAPOLATION}x K3's "
+                "declared max_position_embeddings, even with --allow-extrapolation)"
+            )
+        if length in lengths:
+            same = "" if lengths[length] == word else f" (as {lengths[length]!r})"
+            raise ValueError(
+                f"--context-lengths names {word!r} ({length} tokens) more than once{same}: each length is measured "
+                "once, one row of the table"
+            )
+        lengths[length] = word
+    return list(lengths)
+
+
+def check_context_lengths(lengths: list[int], config, allow_extrapolation: bool) -> None:
+    """Refuse context lengths past a target of ``config``: past its ``max_position_embeddings`` unless
+    ``allow_extrapolation``, and past what it is measured at even then (:func:`~lightning_eagle.inference.acceptance.
+    context_bounds`); the messages name ``--context-lengths`` and the limit."""
+    declared, most = context_bounds(config)
+    too_long = [n for n in lengths if n > most]
+    if too_long:
+        raise ValueError(
+            f"--context-lengths {too_long} exceed {most} tokens, the longest context this target is measured at even "
+            f"with --allow-extrapolation ({MAX_EXTRAPOLATION}x its max_position_embeddings {declared})"
+        )
+    beyond = [n for n in lengths if n > declared]
+    if beyond and not allow_extrapolation:
+        raise ValueError(
+            f"--context-lengths {beyond} exceed the target's max_position_embeddings {declared}: K3's layers (KDA, "
+            "NoPE MLA) read no positions, so they would run, but beyond the length the target was declared for (up "
+            f"to {most} tokens, {MAX_EXTRAPOLATION}x it, are measured with the flag); add --allow-extrapolation to "
+            "measure them anyway"
+        )
 
 
 def context_length_prompts(
