@@ -16,6 +16,8 @@ from typing import NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
+from lightning_eagle.commands.strict_yaml import PARSER_MODE
+
 _UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)")
 _UNKNOWN_OPTION = re.compile(r"does not accept option '([^']+)'")
 
@@ -71,10 +73,12 @@ class CommandParser(argparse.ArgumentParser):
 
 class RunParser(LightningArgumentParser):
     """LightningCLI's parser for ``fit``/``validate``/…: the same one-line errors (jsonargparse names the subcommand's
-    parser on the exception, whose options are the ones to suggest from)."""
+    parser on the exception, whose options are the ones to suggest from). Every config file and value it reads goes
+    through :mod:`lightning_eagle.commands.strict_yaml` (duplicate keys, alias bombs and unknown tags refused)."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("parser_mode", PARSER_MODE)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:

@@ -9,7 +9,9 @@ are not Trainer methods (:data:`COMMANDS`, one module each in this package):
 * ``acceptance --target … --draft … --benchmarks mt_bench,humaneval``: acceptance per prompt set, as draft cards
   report it (or on the user's own chats).
 
-* ``--config quickstart`` (or ``kimi_k3_eagle3``) names a config shipped inside the package.
+* ``--config quickstart`` (or ``kimi_k3_eagle3``) names a config shipped inside the package. Every config file is
+  read strictly (:mod:`lightning_eagle.commands.strict_yaml`): a syntax error, an unknown tag, a duplicate key, an
+  alias bomb or an empty file is one ``error:`` line naming the file and line (exit status 2).
 * Everything a run writes lives under ``trainer.default_root_dir`` unless a path is set explicitly: checkpoints in
   ``<root>/checkpoints``, CSV logs in ``<root>/logs/version_N``, the export in ``<root>/draft``.
 * A user error (missing file, malformed row, bad value, refused layout, unreadable checkpoint) prints one message
@@ -25,7 +27,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
@@ -34,13 +35,14 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_eagle.checkpoint_io import CheckpointLoadError, load_checkpoint_file
 from lightning_eagle.commands.arguments import RunParser
+from lightning_eagle.commands.strict_yaml import read_config_file
 from lightning_eagle.configs import resolve_config_path
 from lightning_eagle.draft.family import default_family, load_all_families
 from lightning_eagle.errors import DEBUG_ENV, RunError, debug_requested
 from lightning_eagle.features.engine_client import EngineError
 from lightning_eagle.run_settings import MODEL_GROUPS, refuse_flat_model_keys
 from lightning_eagle.training.draft_training import DraftTrainingModule, module_class, training_family
-from lightning_eagle.training.preemption import PreemptionCheckpoint
+from lightning_eagle.training.preemption import Interrupted, PreemptionCheckpoint
 from lightning_eagle.training.progress import StepProgressBar
 from lightning_eagle.training.run_folder import RunFolderGuard
 from lightning_eagle.training.summary import fit_summary
@@ -64,7 +66,7 @@ COMMANDS = {
 }
 # Errors that mean "the input is wrong", not "the library is broken": shown as one line without a traceback.
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
-               PermissionError, MisconfigurationException, RunError, EngineError)  # fmt: skip
+               PermissionError, MisconfigurationException, RunError, EngineError, Interrupted)  # fmt: skip
 
 
 class RunCLI(LightningCLI):
@@ -143,6 +145,8 @@ def run_classes(words: list[str]) -> dict:
 
 
 def _config_files(words: list[str]) -> list[Path]:
+    """The ``--config`` files among ``words`` (read strictly by :func:`read_config_file`, which refuses a duplicate
+    key, an alias bomb, a syntax error or an empty file by name before LightningCLI parses anything)."""
     found = []
     for i, word in enumerate(words):
         if word == "--config" and i + 1 < len(words) or word.startswith("--config="):
@@ -159,7 +163,7 @@ def model_class_path(words: list[str]) -> str | None:
         if word == "--model.class_path" and i + 1 < len(words) or word.startswith("--model.class_path="):
             found = words[i + 1] if "=" not in word else word.split("=", 1)[1]
         for path in _config_files(words[i : i + 2] if word.startswith("--config") else []):
-            loaded = yaml.safe_load(path.read_text())
+            loaded = read_config_file(path)
             model = loaded.get("model") if isinstance(loaded, dict) else None
             if isinstance(model, dict) and isinstance(model.get("class_path"), str):
                 found = model["class_path"]
@@ -174,7 +178,7 @@ def refuse_flat_settings(words: list[str]) -> None:
     kind = module_class(class_path)
     draft_settings = None if kind is None else kind.settings_groups["draft"]
     for path in _config_files(words):
-        loaded = yaml.safe_load(path.read_text())
+        loaded = read_config_file(path)
         model = loaded.get("model") if isinstance(loaded, dict) else None
         if isinstance(model, dict) and class_path and "class_path" not in model:
             model = {"class_path": class_path, "init_args": model}
