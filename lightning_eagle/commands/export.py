@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     else:  # a sharded draft's DCP folder, consolidated once (a folder that is not one is refused by name)
         checkpoint = load_dcp_checkpoint(source)
     family = checkpoint_family(checkpoint, f"checkpoint {source}")
+    refuse_non_finite(checkpoint, source)
     path = family.export(
         checkpoint,
         args.out_dir,
@@ -43,6 +44,23 @@ def main(argv: list[str] | None = None) -> None:
     print(f"exported {args.checkpoint} (a {family.name} draft) to {path}")
     for line in family.serve_lines(export_config(path), str(path)):
         print(line)
+
+
+def refuse_non_finite(checkpoint: dict, source: str) -> None:
+    """A NaN or inf in any floating tensor of the checkpoint's state dict (a diverged or corrupt draft) is refused
+    before anything is written, naming the checkpoint and the tensor: an engine would serve it."""
+    import torch
+
+    state = checkpoint.get("state_dict", checkpoint)
+    for key, tensor in state.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.device.type != "meta":
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                raise ValueError(
+                    f"refusing to export checkpoint {str(source)!r}: tensor {key!r} holds {bad} non-finite value(s) "
+                    f"(NaN/inf) of {tensor.numel()}: the draft's weights are damaged (a diverged run or a corrupt "
+                    "file); nothing was written"
+                )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from lightning_eagle import checkpoint_keys as keys
 from lightning_eagle.atomic import atomic_dir, weights_folder_problem
@@ -35,7 +35,16 @@ from lightning_eagle.aux_layers import STREAM_EXPORT_KEY
 from lightning_eagle.draft.dspark import DSparkDrafter
 from lightning_eagle.draft.dspark_config import DSparkDraftConfig
 from lightning_eagle.draft.family import DraftFamily, checkpoint_draft_state, checkpoint_family, register_draft_family
-from lightning_eagle.draft.serving_format import AUX_STREAM_ENV, AUX_STREAM_ENV_VALUE, SERVING_ENV_KEY
+from lightning_eagle.draft.serving_format import (
+    AUX_STREAM_ENV,
+    AUX_STREAM_ENV_VALUE,
+    SERVING_ENV_KEY,
+    WRITE_ID_KEY,
+    check_finite,
+    new_write_id,
+    read_safetensors,
+    read_snapshot,
+)
 
 DSPARK_ARCHITECTURE = "K3DSparkModel"
 DSPARK_MODEL_TYPE = "k3_dspark"
@@ -50,6 +59,12 @@ FP32_PREFIXES = ("confidence_head.",)  # vLLM keeps the confidence head in fp32
 # the architecture ones so; ours, like ``target_num_hidden_layers`` and ``aux_stream``, it ignores).
 _FIELDS_WRITTEN_OTHERWISE = ("aux_layer_ids", "aux_stream", "rope_theta", "rope_scaling")
 _PLAIN_FIELDS = tuple(f.name for f in dataclasses.fields(DSparkDraftConfig) if f.name not in _FIELDS_WRITTEN_OTHERWISE)
+# what config.json must hold (the config's fields without a default, the taps under vLLM's name)
+_REQUIRED_FIELDS = (
+    *(f.name for f in dataclasses.fields(DSparkDraftConfig)
+      if f.name in _PLAIN_FIELDS and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING),
+    "target_layer_ids",
+)  # fmt: skip
 
 
 def rope_parameters(config: DSparkDraftConfig) -> dict[str, Any]:
@@ -90,6 +105,11 @@ def dspark_config_from_json(data: dict[str, Any]) -> DSparkDraftConfig:
         raise ValueError(
             f"not a DSpark export: architectures {data.get('architectures')!r}, model_type "
             f"{data.get('model_type')!r} (expected [{DSPARK_ARCHITECTURE!r}], {DSPARK_MODEL_TYPE!r})"
+        )
+    missing = [name for name in _REQUIRED_FIELDS if name not in data]
+    if missing:
+        raise ValueError(
+            f"config.json: lacks the field(s) {missing} of a DSpark export (written by export_dspark_draft)"
         )
     refused = [name for name in VLLM_REFUSED_FLAGS if data.get(name)]
     if refused:
@@ -143,25 +163,85 @@ def export_dspark_draft(
     if not isinstance(drafter, DSparkDrafter):
         raise TypeError(f"export_dspark_draft takes a DSparkDrafter (or a module with one as .draft), got {drafter!r}")
     tensors = dspark_export_state(drafter, dtype)
-    config_json = dspark_config_json(drafter.config, dtype)
+    check_finite(tensors, f"refusing to export the DSpark draft of {type(drafter).__name__}")  # after the cast
+    write_id = new_write_id()  # in both files: a reader pairs one write's config with its own weights
+    config_json = {**dspark_config_json(drafter.config, dtype), WRITE_ID_KEY: write_id}
     out_dir = Path(out_dir)
 
     def replaceable(folder: Path) -> str | None:
         return weights_folder_problem(folder, frozenset({DSPARK_ARCHITECTURE}))
 
     with atomic_dir(out_dir, overwrite=overwrite, replaceable=replaceable) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", WRITE_ID_KEY: write_id})
         (tmp / CONFIG_NAME).write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
         load_dspark_export(tmp)  # what was written is what a loader reads: refuse before the final name
     return out_dir
 
 
 def load_dspark_export(folder: str | os.PathLike, dtype: torch.dtype | None = None) -> DSparkDrafter:
-    """A :class:`DSparkDrafter` from an export: every tensor present with the drafter's shape, nothing extra."""
+    """A :class:`DSparkDrafter` from an export: one write's ``config.json`` and weights (even while a fit replaces
+    the folder: :func:`~lightning_eagle.draft.serving_format.read_snapshot`), every field the config needs, every
+    tensor present with the drafter's shape and the dtype the config names (the confidence head fp32), finite,
+    nothing extra; each refusal one ``ValueError`` naming the file."""
     folder = Path(folder)
-    config = dspark_config_from_json(json.loads((folder / CONFIG_NAME).read_text()))
-    drafter = drafter_holding(config, load_file(str(folder / WEIGHTS_NAME)), str(folder / WEIGHTS_NAME))
+    config_file, weights = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    config_json, state = read_snapshot(folder, lambda: _read_config(config_file), lambda: _read_weights(weights))
+    try:
+        config = dspark_config_from_json(config_json)
+    except (TypeError, ValueError, KeyError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        raise ValueError(f"{config_file}: {message.removeprefix('config.json: ')}") from None
+    check_finite(state, str(weights))
+    _check_dtypes(state, config_json, config, weights)
+    drafter = drafter_holding(config, state, str(weights))
     return drafter if dtype is None else drafter.to(dtype)
+
+
+def _read_config(config_file: Path) -> dict[str, Any]:
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"DSpark export {str(config_file.parent)!r} has no {CONFIG_NAME} (expected {config_file})"
+        )
+    try:
+        data = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{config_file}: invalid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{config_file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _read_weights(weights: Path) -> tuple[dict[str, torch.Tensor], set[str | None]]:
+    if not weights.is_file():
+        raise FileNotFoundError(f"DSpark export {str(weights.parent)!r} has no {WEIGHTS_NAME} (expected {weights})")
+    state, write_id = read_safetensors(weights)
+    return state, {write_id}
+
+
+def _check_dtypes(state: dict[str, torch.Tensor], config_json: dict[str, Any], config, weights: Path) -> None:
+    """Every tensor in the dtype the export's writer gives it (never cast silently on load): floats in
+    ``config.json``'s ``torch_dtype``, the confidence head fp32, anything else the drafter's own dtype."""
+    name = config_json.get("torch_dtype")
+    floats = getattr(torch, str(name), None) if name is not None else None
+    if name is not None and not (isinstance(floats, torch.dtype) and floats.is_floating_point):
+        raise ValueError(f"{weights.parent / CONFIG_NAME}: torch_dtype {name!r} is not a floating dtype")
+    with torch.device("meta"):
+        own = {k: v.dtype for k, v in DSparkDrafter(config).state_dict().items()}
+    for key, tensor in state.items():
+        if key not in own:
+            continue  # an unexpected tensor: drafter_holding names it with the rest
+        if not own[key].is_floating_point:
+            want, why = own[key], "the drafter's"
+        elif key.startswith(FP32_PREFIXES):
+            want, why = torch.float32, "vLLM keeps the confidence head in fp32"
+        elif floats is not None:
+            want, why = floats, f"config.json torch_dtype {name!r}"
+        else:
+            want, why = None, ""
+        if want is not None and tensor.dtype != want:
+            raise ValueError(f"{weights}: tensor {key!r} is stored as {tensor.dtype}, expected {want} ({why})")
+        if want is None and not tensor.is_floating_point():
+            raise ValueError(f"{weights}: tensor {key!r} is stored as {tensor.dtype}, expected a floating dtype")
 
 
 def drafter_holding(config: DSparkDraftConfig, state: dict[str, torch.Tensor], source: str) -> DSparkDrafter:

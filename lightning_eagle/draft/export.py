@@ -81,6 +81,7 @@ def export_draft(
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     if config.aux_layer_ids is not None:  # None: config_to_json refuses with the reason
         state, config = fmt.to_engine_aux_order(state, config)  # both formats are served by vLLM, which sorts ids
+    fmt.check_finite(state, f"refusing to export {_source_name(source)}")  # after the cast: fp16 may overflow to inf
     torch_dtype = fmt.check_state(state, config, include_embeddings)
     config_json = fmt.config_to_json(config, torch_dtype, training)
     # safetensors refuses shared / non-contiguous storage; a detached contiguous CPU copy of each tensor is safe.
@@ -93,9 +94,18 @@ def previous_export_problem(folder: Path) -> str | None:
     return weights_folder_problem(folder, frozenset({fmt.ARCHITECTURE, fmt.ENGINE_ARCHITECTURE}))
 
 
+def _source_name(source: Any) -> str:
+    """How a refusal names the export's source: the checkpoint's path, or what kind of object it is."""
+    if isinstance(source, (str, os.PathLike)):
+        return f"checkpoint {str(source)!r}"
+    return "the checkpoint" if isinstance(source, dict) else f"the draft of {type(source).__name__}"
+
+
 def _atomic_write(out_dir: Path, tensors: dict[str, torch.Tensor], config_json: dict, overwrite: bool) -> Path:
+    write_id = fmt.new_write_id()  # in both files: a reader pairs one write's config with its own weights
+    config_json = {**config_json, fmt.WRITE_ID_KEY: write_id}
     with atomic_dir(out_dir, overwrite=overwrite, replaceable=previous_export_problem) as tmp:
-        save_file(tensors, str(tmp / fmt.WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(tensors, str(tmp / fmt.WEIGHTS_NAME), metadata={"format": "pt", fmt.WRITE_ID_KEY: write_id})
         with open(tmp / fmt.CONFIG_NAME, "w") as f:
             json.dump(config_json, f, indent=2, sort_keys=True)
             f.write("\n")
@@ -158,12 +168,40 @@ def _recognizes(config_json: dict[str, Any]) -> bool:
 
 
 def _load_export(folder: Path, target, dtype: torch.dtype, device: str) -> KimiK3Eagle3Draft:
+    """The draft (one write's config and weights: ``from_pretrained`` reads a snapshot,
+    :func:`~lightning_eagle.draft.serving_format.read_snapshot`) and the training settings its ``config.json``
+    records, read before and after the load: the same write id both times means no write replaced the folder in
+    between (ids are never reused), so the settings are that draft's; otherwise it is read again."""
     embedding = None if target is None else target.model.embed_tokens.weight
-    draft = KimiK3Eagle3Draft.from_pretrained(folder, target_embedding=embedding, dtype=dtype, device=device)
-    recorded = json.loads((Path(folder) / fmt.CONFIG_NAME).read_text())
+    config_file = Path(folder) / fmt.CONFIG_NAME
+    for attempt in range(fmt.SNAPSHOT_READS):
+        last = attempt == fmt.SNAPSHOT_READS - 1
+        try:
+            before = _recorded(config_file).get(fmt.WRITE_ID_KEY)  # a bad file: from_pretrained says why
+            draft = KimiK3Eagle3Draft.from_pretrained(folder, target_embedding=embedding, dtype=dtype, device=device)
+            recorded = _recorded(config_file)
+        except FileNotFoundError:  # between the two renames of a folder swap
+            if last:
+                raise
+            continue
+        if recorded.get(fmt.WRITE_ID_KEY) == before:
+            break
+        if last:
+            raise ValueError(
+                f"{folder}: the export was replaced during each of {fmt.SNAPSHOT_READS} reads; read it "
+                "when the writer is done"
+            )
     # how it was trained (ttt_steps: the K its decoding drafts by default), as the export records it
     draft.training_settings = {k: recorded[k] for k in TRAINING_SETTINGS if k in recorded}
     return draft
+
+
+def _recorded(config_file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(config_file.read_text())
+    except (OSError, ValueError):  # missing mid-swap, or bad: the load says why, or reads again
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _export(source: Any, out_dir, *, dtype=None, overwrite=False, include_embeddings=None) -> Path:

@@ -15,21 +15,12 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from lightning_eagle.draft import reference_import
 from lightning_eagle.draft import serving_format as fmt
 from lightning_eagle.draft.config import Eagle3DraftConfig
 
 INDEX_NAME = "model.safetensors.index.json"
-
-
-def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(file))
-    except SafetensorError as err:  # truncated or corrupt: name the file instead of a bare header error
-        raise ValueError(f"{file}: cannot read safetensors file ({err})") from None
 
 
 def weights_source(folder: Path) -> Path:
@@ -39,9 +30,17 @@ def weights_source(folder: Path) -> Path:
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    return read_weights_and_ids(folder)[0]
+
+
+def read_weights_and_ids(folder: Path) -> tuple[dict[str, torch.Tensor], set[str | None]]:
+    """The tensors of the folder's single file or shards, each file checked finite (naming it and the tensor), and
+    the write ids the files carry (:func:`~lightning_eagle.draft.serving_format.read_snapshot`)."""
     single = folder / fmt.WEIGHTS_NAME
     if single.is_file():
-        return _load_safetensors(single)
+        state, write_id = fmt.read_safetensors(single)
+        fmt.check_finite(state, str(single))
+        return state, {write_id}
     index = folder / INDEX_NAME
     if not index.is_file():
         raise FileNotFoundError(f"{folder} has neither {fmt.WEIGHTS_NAME} nor {INDEX_NAME}")
@@ -54,12 +53,40 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     if absent:
         raise FileNotFoundError(f"{index}: lists shard(s) {absent}, which do not exist in {folder}")
     state: dict[str, torch.Tensor] = {}
+    ids: set[str | None] = set()
     for shard in shards:
-        state.update(_load_safetensors(folder / shard))
+        part, write_id = fmt.read_safetensors(folder / shard)
+        fmt.check_finite(part, str(folder / shard))
+        state.update(part)
+        ids.add(write_id)
     missing = sorted(set(weight_map) - set(state))
     if missing:
         raise ValueError(f"{index}: keys listed but absent from the shards: {missing[:5]}")
-    return state
+    return state, ids
+
+
+def _read_config(folder: Path) -> dict:
+    config_file = folder / fmt.CONFIG_NAME
+    if not config_file.is_file():
+        what = "does not exist" if not folder.exists() else f"has no {fmt.CONFIG_NAME}"
+        raise FileNotFoundError(
+            f"draft folder {str(folder)!r} {what} (expected a draft export: {fmt.CONFIG_NAME} + {fmt.WEIGHTS_NAME})"
+        )
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_file}: invalid JSON ({err})") from None
+
+
+def _float_dtype(config_json: dict, config_file: Path) -> torch.dtype | None:
+    """``config.json``'s ``torch_dtype`` as a float dtype (None when absent); anything else is refused by name."""
+    name = config_json.get("torch_dtype")
+    if name is None:
+        return None
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{config_file}: torch_dtype {name!r} is not a floating dtype (e.g. 'bfloat16', 'float32')")
+    return dtype
 
 
 def check_export(path: str | os.PathLike) -> tuple[Eagle3DraftConfig, dict[str, torch.Tensor]]:
@@ -69,17 +96,11 @@ def check_export(path: str | os.PathLike) -> tuple[Eagle3DraftConfig, dict[str, 
     exporter runs it on what it wrote before the folder takes its final name."""
     folder = Path(path)
     config_file = folder / fmt.CONFIG_NAME
-    if not config_file.is_file():
-        what = "does not exist" if not folder.exists() else f"has no {fmt.CONFIG_NAME}"
-        raise FileNotFoundError(
-            f"draft folder {str(folder)!r} {what} (expected a draft export: {fmt.CONFIG_NAME} + {fmt.WEIGHTS_NAME})"
-        )
-    try:
-        config_json = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{config_file}: invalid JSON ({err})") from None
-    state = read_weights(folder)
+    # one write's config and tensors, even while a fit replaces the folder (serving_format.read_snapshot)
+    config_json, state = fmt.read_snapshot(folder, lambda: _read_config(folder), lambda: read_weights_and_ids(folder))
     weights = weights_source(folder)
+    reference = reference_import.is_reference_layout(state)
+    float_dtype = None if reference else _float_dtype(config_json, config_file)  # foreign drafts: as they are
     try:
         if fmt.is_engine_layout(config_json):
             config = fmt.engine_config_from_json(config_json)
@@ -97,7 +118,7 @@ def check_export(path: str | os.PathLike) -> tuple[Eagle3DraftConfig, dict[str, 
             state = fmt.engine_state_to_draft(state, config)
         elif reference_import.is_reference_layout(state):
             state = reference_import.convert_reference_state(state, config)
-        fmt.check_state(state, config, include_embeddings="embed_tokens.weight" in state)
+        fmt.check_state(state, config, include_embeddings="embed_tokens.weight" in state, float_dtype=float_dtype)
     except ValueError as err:  # key set / shape / dtype against config.json: name both files
         raise ValueError(f"{weights} does not match {config_file}: {err}") from None
 

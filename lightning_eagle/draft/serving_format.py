@@ -43,10 +43,15 @@ under ``serving_env`` and ``cli.py export`` prints it (:func:`serving_instructio
 from __future__ import annotations
 
 import json
+import time
+import uuid
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from lightning_eagle.aux_layers import STREAM_EXPORT_KEY
 from lightning_eagle.aux_layers import validate_aux_layer_ids as validate_taps
@@ -139,8 +144,14 @@ def expected_keys(config: Eagle3DraftConfig, include_embeddings: bool) -> dict[s
     return keys
 
 
-def check_state(state: dict[str, torch.Tensor], config: Eagle3DraftConfig, include_embeddings: bool) -> torch.dtype:
-    """Refuse anything but the exact key set (shapes, dtypes, no trainer prefixes); returns the float dtype."""
+def check_state(
+    state: dict[str, torch.Tensor],
+    config: Eagle3DraftConfig,
+    include_embeddings: bool,
+    float_dtype: torch.dtype | None = None,
+) -> torch.dtype:
+    """Refuse anything but the exact key set (shapes, dtypes, no trainer prefixes); returns the float dtype.
+    ``float_dtype`` (a loader: ``config.json``'s ``torch_dtype``) is the one dtype every float tensor must have."""
     prefixed = sorted(k for k in state if k.startswith(TRAINER_PREFIXES))
     if prefixed:
         raise ValueError(f"export keys carry trainer prefixes {TRAINER_PREFIXES}: {prefixed[:5]}")
@@ -154,6 +165,10 @@ def check_state(state: dict[str, torch.Tensor], config: Eagle3DraftConfig, inclu
         if tuple(tensor.shape) != shape:
             raise ValueError(f"export key {key}: shape {tuple(tensor.shape)}, expected {shape}")
         if dtype is FLOAT:
+            if float_dtype is not None and tensor.dtype != float_dtype:
+                raise ValueError(
+                    f"export key {key}: dtype {tensor.dtype}, expected {float_dtype} (config.json torch_dtype)"
+                )
             if not tensor.is_floating_point():
                 raise ValueError(f"export key {key}: dtype {tensor.dtype}, expected a floating dtype")
             float_dtypes.add(tensor.dtype)
@@ -427,3 +442,84 @@ def engine_state_to_draft(state: dict[str, torch.Tensor], config: Eagle3DraftCon
             key = "midlayer." + key[len(ENGINE_LAYER_PREFIX) :]
         out[key] = value
     return sort_vocabulary(out, config)
+
+
+# ---- what every draft read or write checks: finite weights, one consistent snapshot of an export ---------------------
+WRITE_ID_KEY = "lightning_eagle_write_id"  # in config.json and in the safetensors metadata of one write
+SNAPSHOT_READS = 5  # reads of an export being replaced before the loader gives up
+_FINITE_CHUNK = 1 << 24  # elements per isfinite pass: no full-size bool copy of a large tensor
+
+
+def non_finite_count(tensor: torch.Tensor) -> int:
+    """NaN / inf entries of a floating ``tensor`` (0 for other dtypes), counted in chunks."""
+    if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.device.type == "meta":
+        return 0
+    flat = tensor.detach().reshape(-1)
+    return sum(int((~torch.isfinite(flat[i : i + _FINITE_CHUNK])).sum()) for i in range(0, flat.numel(), _FINITE_CHUNK))
+
+
+def check_finite(state: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse a NaN or inf in any floating tensor of ``state`` (a damaged draft): one ``ValueError`` naming ``where``
+    (the file, checkpoint or module) and the tensor. An engine would serve such a draft and acceptance would measure
+    it as 1.000, so no export is written or read with one."""
+    for key, tensor in state.items():
+        bad = non_finite_count(tensor)
+        if bad:
+            raise ValueError(
+                f"{where}: tensor {key!r} holds {bad} non-finite value(s) (NaN/inf) of {tensor.numel()}: the draft's "
+                "weights are damaged (a diverged run or a corrupt file); it is neither exported nor loaded"
+            )
+
+
+def new_write_id() -> str:
+    """The id one export write records in its ``config.json`` and its safetensors metadata (:func:`read_snapshot`)."""
+    return uuid.uuid4().hex
+
+
+def read_safetensors(file: Path) -> tuple[dict[str, torch.Tensor], str | None]:
+    """``(tensors, write id or None)`` of one safetensors file, read through one open (the metadata and the tensors
+    are the same file's); a truncated or corrupt file is one ``ValueError`` naming it."""
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            write_id = (handle.metadata() or {}).get(WRITE_ID_KEY)
+            return {key: handle.get_tensor(key) for key in handle.keys()}, write_id  # noqa: SIM118 (not a dict)
+    except SafetensorError as err:  # truncated or corrupt: name the file instead of a bare header error
+        raise ValueError(f"{file}: cannot read safetensors file, it is truncated or corrupt ({err})") from None
+
+
+def read_snapshot(
+    folder: Path, read_config: Callable[[], dict[str, Any]], read_weights: Callable[[], tuple[dict, set]]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(config.json, tensors)`` of the export at ``folder`` as one write left them.
+
+    A fit's :class:`~lightning_eagle.training.export_callback.ExportDraftCallback` replaces its export folder while a
+    reader may be loading it: :func:`~lightning_eagle.atomic.atomic_dir` swaps whole folders, but a reader opens
+    ``config.json`` and the weights one after the other, so without a check it can pair one write's config with the
+    next write's tensors (and for a moment, between the two renames of the swap, find no folder at all). Every write
+    of ours therefore records one fresh id (:func:`new_write_id`) under :data:`WRITE_ID_KEY` in both ``config.json``
+    and the safetensors metadata; the reader reads the config, then the weights (``read_weights`` returns the ids its
+    files carry), and accepts the pair only when the ids agree, reading again (up to :data:`SNAPSHOT_READS` times, a
+    short pause between) when they differ or a file vanished mid-swap. An export without ids (written before them, by
+    another tool, or edited by hand) has nothing to compare and is read once, as before."""
+    for attempt in range(SNAPSHOT_READS):
+        last = attempt == SNAPSHOT_READS - 1
+        try:
+            config_json = read_config()
+            state, weight_ids = read_weights()
+        except FileNotFoundError:
+            if last:
+                raise
+            time.sleep(0.02 * (attempt + 1))
+            continue
+        wanted = config_json.get(WRITE_ID_KEY) if isinstance(config_json, dict) else None
+        others = {i for i in weight_ids if i is not None and i != wanted}
+        if wanted is None or not others:
+            return config_json, state
+        if last:
+            raise ValueError(
+                f"{folder}: {CONFIG_NAME} (write {wanted}) and its weights (write {sorted(others)[0]}) come from "
+                f"different writes in {SNAPSHOT_READS} reads: the export is being replaced (a fit exporting into it) "
+                "faster than it can be read, or its files were mixed from two exports; read it when the writer is done"
+            )
+        time.sleep(0.02 * (attempt + 1))
+    raise AssertionError("unreachable")

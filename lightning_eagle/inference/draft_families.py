@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,10 +25,37 @@ from lightning_eagle.inference.speculative import speculative_generate
 __all__ = ["decoding_loop", "default_num_draft_tokens", "export_config", "generate_for", "load_draft"]
 
 
+SWAP_READS = 5  # reads of an export folder that is being swapped before a failure is final
+
+
 def load_draft(folder: str | Path, target, dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[str, Any]:
-    """``(family name, draft)`` for the export at ``folder``, its family read from its ``config.json``."""
-    family, draft = load_export(folder, target, dtype, device)
-    return family.name, draft
+    """``(family name, draft)`` for the export at ``folder``, its family read from its ``config.json``.
+
+    An export a fit replaces while it is read (the ``ExportDraftCallback`` swaps its whole folder,
+    :func:`~lightning_eagle.atomic.atomic_dir`: for a moment the name is missing, then it names another folder) is
+    read again: a failure is final only when the same folder (inode and change time) stood there before and after
+    the read, or after :data:`SWAP_READS` reads. Within one read each family's loader pairs one write's
+    ``config.json`` with that write's weights (their write ids,
+    :func:`~lightning_eagle.draft.family.load_export` → the family's ``load_export``)."""
+    for attempt in range(SWAP_READS):
+        before = _identity(folder)
+        try:
+            family, draft = load_export(folder, target, dtype, device)
+            return family.name, draft
+        except (ValueError, OSError):
+            if attempt == SWAP_READS - 1 or (before is not None and _identity(folder) == before):
+                raise
+            time.sleep(0.02 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _identity(folder: str | Path) -> tuple[int, int, int] | None:
+    """Which folder stands at ``folder`` now (None: none)."""
+    try:
+        stat = os.stat(folder)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino, stat.st_ctime_ns
 
 
 @contextmanager
