@@ -27,6 +27,7 @@ import torch
 
 from lightning_eagle.atomic import atomic_file
 from lightning_eagle.data.encoding import DataSummary
+from lightning_eagle.errors import RunError
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,10 @@ _ROW_TENSORS = (
 )
 _ST_NAMES = {torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.int16: "I16", torch.bool: "BOOL"}
 _ST_DTYPES = {v: k for k, v in _ST_NAMES.items()}
+
+
+class ChunkLostError(RunError):
+    """A chunk of the build in progress disappeared (or changed) before the row file was written."""
 
 
 class ChunkStore:
@@ -110,8 +115,14 @@ class ChunkStore:
         path = str(self.path(index))
 
         def get(name: str) -> torch.Tensor:
-            with safe_open(path, "pt") as f:
-                return f.get_tensor(name)
+            try:
+                with safe_open(path, "pt") as f:
+                    return f.get_tensor(name)
+            except Exception as exc:  # safetensors raises its own error for a missing or damaged file
+                raise ChunkLostError(
+                    f"chat-data chunk {path} was deleted or damaged while the cache was being built ({exc}); nothing "
+                    "was committed: rerun to recover (the chunks still there are reused, this one is tokenized again)"
+                ) from exc
 
         return get
 

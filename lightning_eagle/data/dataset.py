@@ -4,8 +4,9 @@
 Without a cache the chunks are held in memory; with one each finished chunk is written to ``<cache>/<key>/chunks/``
 at once (atomically), so a killed run resumes with its completed chunks. At the end the chunks are concatenated, one
 tensor at a time, into ``data.safetensors`` (:mod:`lightning_eagle.data.cache_files`), ``manifest.json`` is written
-last (the commit point) and the chunks are removed. Reading the cache memory-maps ``data.safetensors``: a dataset is
-not loaded into RAM, pages are read when rows are.
+last (the commit point) and the chunks are removed. One process builds a key at a time (an exclusive lock,
+:mod:`lightning_eagle.data.cache_lock`); another waits and reads what it committed. Reading the cache memory-maps
+``data.safetensors``: a dataset is not loaded into RAM, pages are read when rows are.
 
 The cache key hashes the file contents, each file's format, the tokenizer fingerprint and every option that changes
 ids or masks. :func:`collate_chat_rows` right-pads rows into a batch.
@@ -34,6 +35,7 @@ from lightning_eagle.data.cache_files import (
     map_safetensors,
     write_rows_file,
 )
+from lightning_eagle.data.cache_lock import cache_build_lock
 from lightning_eagle.data.encoding import (
     DEFAULT_CHUNK_ROWS,
     ChunkEncoding,
@@ -160,7 +162,9 @@ class TokenizedChatDataset(torch.utils.data.Dataset):
 
         Without ``cache_to`` the result is held in memory (the input is still streamed chunk by chunk). With it, the
         chunks go to ``cache_to/chunks/`` (reused when a killed run is repeated), then ``data.safetensors`` and
-        ``manifest.json`` are written and the result is the memory-mapped cache."""
+        ``manifest.json`` are written and the result is the memory-mapped cache (a caller that may race another
+        builder of ``cache_to`` holds :func:`~lightning_eagle.data.cache_lock.cache_build_lock`, as
+        :meth:`build_or_load` does)."""
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
         if sources is None:
@@ -280,6 +284,11 @@ class TokenizedChatDataset(torch.utils.data.Dataset):
             return None
 
     @classmethod
+    def _cached(cls, target: Path, key: str, sources: Sequence[Source]) -> TokenizedChatDataset | None:
+        cached = cls.load(target, key)
+        return None if cached is None else _cached_summary(cached, sources)
+
+    @classmethod
     def build_or_load(
         cls,
         files: Sequence[str | Path],
@@ -293,28 +302,43 @@ class TokenizedChatDataset(torch.utils.data.Dataset):
     ) -> TokenizedChatDataset:
         """Load from ``cache_dir/<key>`` when the key matches, else build (and write the cache if enabled).
 
+        One process builds a key at a time (:mod:`lightning_eagle.data.cache_lock`): another building it waits, then
+        reads what the first committed, so nodes may share ``cache_dir``.
+
         ``files``: files, globs and directories (see :func:`lightning_eagle.data.formats.expand_paths`)."""
         sources = resolve_sources(files, options.format)
         formats = [s.format for s in sources]
         key = cache_key([file_sha256(s.path) for s in sources], tokenizer.fingerprint, options, formats)
-        target = Path(cache_dir) / key if cache_dir is not None else None
-        if target is not None:
-            cached = cls.load(target, key)
-            if cached is not None:
-                cached.summary.files = [s.path for s in sources]
-                cached.summary.formats = formats
-                if cached.summary.rows_bad_skipped:  # repeat the warning: skipping is never silent
-                    log.warning("chat data (cached): %s", cached.summary.describe())
-                return cached
         key_fields = {"options": options.key_fields(), "tokenizer": tokenizer.fingerprint, "formats": formats}
-        dataset = cls.build(
-            files, tokenizer, recovery, options, workers=workers, sources=sources, cache_to=target, key=key,
-            key_fields=key_fields, chunk_rows=chunk_rows,
-        )  # fmt: skip
+        if cache_dir is None:
+            dataset = cls.build(
+                files, tokenizer, recovery, options, workers=workers, sources=sources, key=key, chunk_rows=chunk_rows
+            )
+        else:
+            target = Path(cache_dir) / key
+            cached = cls._cached(target, key, sources)
+            if cached is not None:
+                return cached
+            with cache_build_lock(target):  # one builder per key; the others wait here, then read its cache
+                cached = cls._cached(target, key, sources)
+                if cached is not None:
+                    return cached
+                dataset = cls.build(
+                    files, tokenizer, recovery, options, workers=workers, sources=sources, cache_to=target, key=key,
+                    key_fields=key_fields, chunk_rows=chunk_rows,
+                )  # fmt: skip
         dataset.key = key
         report = log.warning if dataset.summary.rows_bad_skipped else log.info
         report("chat data: %s", dataset.summary.describe())
         return dataset
+
+
+def _cached_summary(dataset: TokenizedChatDataset, sources: Sequence[Source]) -> TokenizedChatDataset:
+    dataset.summary.files = [s.path for s in sources]
+    dataset.summary.formats = [s.format for s in sources]
+    if dataset.summary.rows_bad_skipped:  # repeat the warning: skipping is never silent
+        log.warning("chat data (cached): %s", dataset.summary.describe())
+    return dataset
 
 
 def _concatenate(parts: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, ...]:

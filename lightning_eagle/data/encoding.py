@@ -1,9 +1,10 @@
 """Chat rows to token ids and loss masks, streamed chunk by chunk (``chat_and_loss_mask.md`` §4.4).
 
 Per row: parse and normalize (:mod:`lightning_eagle.data.formats`) -> validate -> render K3 (or K2) with
-``add_generation_prompt=False`` -> right-cut to ``max_length`` -> recover the loss mask on the cut ids (pre-tokenized
-rows keep a stored ``loss_mask``) -> drop rows with no supervised token after the first. Every skipped, truncated or
-dropped row is counted in :class:`DataSummary`.
+``add_generation_prompt=False`` (a text longer than can be kept is encoded only that far, so any line is tokenized
+in bounded memory and time) -> right-cut to ``max_length`` -> recover the loss mask on the cut ids (pre-tokenized rows
+keep a stored ``loss_mask``) -> drop rows with no supervised token after the first. Every skipped, truncated or dropped
+row is counted in :class:`DataSummary`.
 
 Rows are read ``chunk_rows`` at a time (:func:`read_chunks`, never all of a file in memory) and encoded in this
 process or by a pool of spawned workers (:class:`ChunkEncoding`), one chunk in flight ahead of the one being
@@ -28,6 +29,7 @@ from lightning_eagle.data.loss_mask import LossMaskRecovery
 from lightning_eagle.data.render_k2 import build_k2_segments
 from lightning_eagle.data.render_k3 import ChatFormatError, build_k3_segments, encode_segments
 from lightning_eagle.data.rows import DataRowError, RawLine, RawRow, RowProblem, validate_row
+from lightning_eagle.data.tokenizer import MAX_ENCODE_CHARS as ENCODE_WINDOW_CHARS
 from lightning_eagle.data.tokenizer import KimiTokenizer
 
 MAX_BAD_ROW_EXAMPLES = 20
@@ -140,14 +142,21 @@ class RowEncoder:
             type(tokenizer).encode_segments is KimiTokenizer.encode_segments
         )
         self._memo: dict[tuple[str, bool], list[int]] = {}
+        # Tokens a row is encoded to at most: enough for max_length and for every length the data report counts cuts
+        # at (whether a row is longer than each stays exact; how many tokens a cut drops is a lower bound past it).
+        self.token_budget = max(cut_lengths(options.max_length)) + 1
+        # Our encode works window by window (ENCODE_WINDOW_CHARS characters, each independently of the others), so
+        # stopping after the window that reaches the budget keeps exactly the tokens encoding it whole would keep.
+        self.windowed = self.memoize and type(tokenizer).encode is KimiTokenizer.encode
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_memo": {}}
 
     def __call__(self, job: RowJob) -> tuple:
         """``("ok", ids, mask, full_length)`` (ids an ``array("i")`` cut to ``max_length``, mask ``bytes``: cheap to
-        send between processes; ``full_length`` the row's length before the cut)
-        or ``("bad", field, problem)``. Parsing and normalizing happen here too, so they run in the workers."""
+        send between processes; ``full_length`` the row's length before the cut) or ``("bad", field, problem)``.
+        A row longer than ``token_budget`` is encoded only that far, so its ``full_length`` is then a lower bound
+        (past the budget). Parsing and normalizing happen here too, so they run in the workers."""
         try:
             row = prepare_row(job.item, job.format)
         except RowProblem as exc:
@@ -184,11 +193,13 @@ class RowEncoder:
         ids: list[int] = []
         memo, encode = self._memo, self.tokenizer.encode
         for segment in segments:
+            if len(ids) >= self.token_budget:
+                break  # nothing after this can be kept (each segment encodes independently of the others)
             text, allow = segment[0], bool(segment[1])
             if not text:
                 continue
             if len(text) > MEMO_MAX_CHARS:
-                ids += encode(text, allow_special_tokens=allow)
+                ids += self._encode_long(text, allow, self.token_budget - len(ids))
                 continue
             piece = memo.get((text, allow))
             if piece is None:
@@ -196,6 +207,20 @@ class RowEncoder:
                 if len(memo) < MEMO_MAX_ENTRIES:
                     memo[(text, allow)] = piece
             ids += piece
+        return ids
+
+    def _encode_long(self, text: str, allow: bool, wanted: int) -> list[int]:
+        """``encode(text)``, or, for a text longer than one window, its windows until ``wanted`` tokens are in: the
+        same first tokens, and memory and time bounded whatever the length of the text (a 1 GiB line was encoded
+        whole, at ~20x its size, although only its first ``max_length`` tokens were kept)."""
+        encode = self.tokenizer.encode
+        if not self.windowed or len(text) <= ENCODE_WINDOW_CHARS:
+            return encode(text, allow_special_tokens=allow)
+        ids: list[int] = []
+        for start in range(0, len(text), ENCODE_WINDOW_CHARS):
+            ids += encode(text[start : start + ENCODE_WINDOW_CHARS], allow_special_tokens=allow)
+            if len(ids) >= wanted:
+                break
         return ids
 
     def _segments(self, data: dict[str, Any]) -> list:

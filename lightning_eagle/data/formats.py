@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from lightning_eagle.data.rows import DataRowError, RawLine, RawRow, RowProblem, describe_value, iter_json_text
+from lightning_eagle.data.zst_stream import ZstdFrames
 
 FORMATS = ("auto", "sharegpt", "openai", "tokens")
 RESOLVED_FORMATS = ("sharegpt", "openai", "tokens")
@@ -177,11 +178,8 @@ def _kind(path: str | Path) -> tuple[str, str | None]:
 def _open_binary(path: Path, compression: str | None) -> BinaryIO:
     if compression == "gz":
         return gzip.open(path, "rb")  # type: ignore[return-value]
-    if compression == "zst":
-        import zstandard
-
-        reader = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True, closefd=True)
-        return io.BufferedReader(reader)  # type: ignore[arg-type]
+    if compression == "zst":  # every frame; EOFError for a file cut inside one (like gzip's)
+        return io.BufferedReader(ZstdFrames(path))  # type: ignore[return-value]
     return open(path, "rb")
 
 
@@ -200,6 +198,15 @@ def _decompression_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+# Two JSON values on one line joined by a CR: no JSON text holds that (a raw CR is whitespace between tokens, never
+# inside a string), so it is a file whose rows end in CR alone.
+_CR_ROWS = re.compile(rb"[}\]][ \t]*\r[ \t\r]*[{\[]")
+CR_LINE_ENDS = (
+    "the file uses CR (old Mac) line ends: JSONL rows end in LF (\\n), so its rows read as one line; convert the "
+    "line ends (e.g. tr '\\r' '\\n' < old.jsonl > new.jsonl)"
+)
+
+
 def _iter_jsonl(path: Path, compression: str | None) -> Iterator[RawLine]:
     name = str(path)
     errors = _decompression_errors()
@@ -214,19 +221,23 @@ def _iter_jsonl(path: Path, compression: str | None) -> Iterator[RawLine]:
             except errors as exc:
                 raise _decompress_error(name, line_no + 1, exc) from exc
             line_no += 1
+            if b"\r" in raw and _CR_ROWS.search(raw):
+                raise DataRowError(name, line_no, "<file>", CR_LINE_ENDS)
+            # decoded once, from a view without the line end or a byte-order mark: a long line is not copied again
+            start = 3 if line_no == 1 and raw.startswith(b"\xef\xbb\xbf") else 0
+            end = len(raw)
+            while end > start and raw[end - 1] in b"\r\n":  # column numbers in JSON errors count within the line
+                end -= 1
             try:
-                text = raw.decode("utf-8")
+                text = str(memoryview(raw)[start:end], "utf-8")
             except UnicodeDecodeError as exc:
                 raise DataRowError(
-                    name, line_no, "<file>", f"not UTF-8 text ({exc.reason} at byte {offset + exc.start})"
+                    name, line_no, "<file>", f"not UTF-8 text ({exc.reason} at byte {offset + start + exc.start})"
                 ) from exc
             offset += len(raw)
-            text = text.rstrip("\r\n")  # column numbers in JSON errors count within the line
-            if line_no == 1 and text.startswith("\ufeff"):
-                text = text[1:]  # a UTF-8 byte-order mark
-            if not text.strip():
-                continue
-            yield RawLine(name, line_no, text)
+            raw = b""
+            if text and not text.isspace():
+                yield RawLine(name, line_no, text)
 
 
 def parse_line(item: RawLine) -> RawRow:

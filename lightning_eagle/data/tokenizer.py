@@ -77,7 +77,7 @@ K2_SPECIAL_OFFSETS: Mapping[int, str] = {
 }
 
 
-_MAX_ENCODE_CHARS = 400_000
+MAX_ENCODE_CHARS = 400_000
 _MAX_RUN_CHARS = 25_000  # tiktoken issue 195: very long (non-)whitespace runs are slow or overflow the stack
 
 
@@ -218,8 +218,8 @@ class KimiTokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
         ids: list[int] = []
-        for start in range(0, len(text), _MAX_ENCODE_CHARS):
-            for piece in _split_long_runs(text[start : start + _MAX_ENCODE_CHARS], _MAX_RUN_CHARS):
+        for start in range(0, len(text), MAX_ENCODE_CHARS):
+            for piece in _split_long_runs(text[start : start + MAX_ENCODE_CHARS], _MAX_RUN_CHARS):
                 if allow_special_tokens:
                     ids.extend(self._encoding.encode(piece, allowed_special="all"))
                 else:
