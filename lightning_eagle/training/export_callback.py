@@ -12,6 +12,7 @@ from lightning_eagle.checkpoint_io import load_checkpoint_file
 from lightning_eagle.draft.family import draft_family_named
 from lightning_eagle.errors import RunError
 from lightning_eagle.parallel.dense_shard import full_state_dict, has_sharded_trainable_parameters
+from lightning_eagle.training.preemption import Interrupted, checkpoint_path, signal_name, signals_interrupt
 
 
 class ExportDraftCallback(pl.Callback):
@@ -30,6 +31,35 @@ class ExportDraftCallback(pl.Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module) -> None:
+        """The export; a SIGTERM/SIGINT during it stops it at once (no partial folder is left: the write is atomic),
+        saves the trained weights when no checkpoint holds them, and names the ``cli.py export`` command to rerun."""
+        try:
+            with signals_interrupt(lambda signum: Interrupted("", signum)):
+                self._export(trainer, pl_module)
+        except Interrupted as stop:
+            raise self._interrupted(trainer, stop.signum) from None
+
+    def _interrupted(self, trainer: pl.Trainer, signum: int) -> Interrupted:
+        best = getattr(trainer.checkpoint_callback, "best_model_path", "") if self.use_best else ""
+        if best and Path(best).is_file():
+            source, saved = Path(best), ""
+        else:  # the final weights, in a checkpoint the export command reads
+            source, saved = checkpoint_path(trainer), " (saved now)"
+            if trainer.world_size == 1:
+                trainer.save_checkpoint(source, weights_only=False)
+            elif not source.is_file():
+                saved = " (if the run saved one; with several ranks none is saved now)"
+        out = self.resolved_out_dir(trainer)
+        dtype = f" --dtype {self.dtype}" if self.dtype else ""
+        dtype += " --overwrite" if out.exists() else ""  # an older export stays there
+        return Interrupted(
+            f"fit's export stopped by {signal_name(signum)} after training ended (global step {trainer.global_step}): "
+            f"nothing was exported to {out} (no partial folder left); the trained draft is in {source}{saved}; export "
+            f"it with: cli.py export {source} {out}{dtype}",
+            signum,
+        )
+
+    def _export(self, trainer: pl.Trainer, pl_module) -> None:
         import torch
 
         if trainer.global_step == 0:  # every rank: nothing was trained, so nothing is exported as if it had been
