@@ -343,3 +343,14 @@ def test_anchor_rows_are_counted_before_training_and_anchors_never_exceed_a_row(
     batch = next(iter(data.train_dataloader()))
     _, blocks, keep = module.shared_step(batch, anchor_generator(0, 0, 0))
     assert keep.shape == (2, batch["input_ids"].shape[1])  # not 8192 blocks per row
+
+
+def test_a_validation_epoch_without_a_block_is_an_error_not_tau_sim_0():
+    """A streaming folder's rows are not checked before training: an evaluation that saw no block (no anchor in its
+    rows) stops with the reason instead of logging val/tau_sim 0, below its minimum of 1."""
+    from types import SimpleNamespace
+
+    module = DSparkModule(TINY_TARGET, TINY_DRAFT, DSparkObjectiveSettings(num_anchors=4, loss_backend="plain"))
+    module._trainer = SimpleNamespace(sanity_checking=False)
+    with pytest.raises(ValueError, match=r"val: no DSpark block in 0 rows .* val/tau_sim would be 0, below its minimum"):
+        module._log_evaluation_metrics("val")
