@@ -352,5 +352,7 @@ def test_a_validation_epoch_without_a_block_is_an_error_not_tau_sim_0():
 
     module = DSparkModule(TINY_TARGET, TINY_DRAFT, DSparkObjectiveSettings(num_anchors=4, loss_backend="plain"))
     module._trainer = SimpleNamespace(sanity_checking=False)
-    with pytest.raises(ValueError, match=r"val: no DSpark block in 0 rows .* val/tau_sim would be 0, below its minimum"):
+    with pytest.raises(
+        ValueError, match=r"val: no DSpark block in 0 rows .* val/tau_sim would be 0, below its minimum"
+    ):
         module._log_evaluation_metrics("val")
