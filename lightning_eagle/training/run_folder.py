@@ -278,27 +278,18 @@ class RunClaim:
         self._locks = []
 
 
-def output_folders(trainer: pl.Trainer) -> dict[str, Path]:
-    """What a fit will write into, by the name a user knows it under."""
+def output_folders(trainer: pl.Trainer, export_parent: bool = False) -> dict[str, Path]:
+    """The folders a fit writes into and claims, by the name a user knows them under: the root, each checkpoint
+    folder, each export folder (``export_parent``: the folder it is created in, what must be writable)."""
     folders = {ROOT: Path(trainer.default_root_dir)}
     for callback in trainer.callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
             folders[f"the checkpoint folder ({type(callback).__name__}.dirpath)"] = Path(callback.dirpath)
         resolved = getattr(callback, "resolved_out_dir", None)
         if callable(resolved):
-            folders[f"the export folder's parent ({type(callback).__name__}.out_dir)"] = resolved(trainer).parent
-    return folders
-
-
-def claimed_folders(trainer: pl.Trainer) -> dict[str, Path]:
-    """The folders a fit writes into and claims: the root, each checkpoint folder, each export folder."""
-    folders = {ROOT: Path(trainer.default_root_dir)}
-    for callback in trainer.callbacks:
-        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
-            folders[f"the checkpoint folder ({type(callback).__name__}.dirpath)"] = Path(callback.dirpath)
-        resolved = getattr(callback, "resolved_out_dir", None)
-        if callable(resolved):
-            folders[f"the export folder ({type(callback).__name__}.out_dir)"] = resolved(trainer)
+            where = "the export folder's parent" if export_parent else "the export folder"
+            folder = resolved(trainer)
+            folders[f"{where} ({type(callback).__name__}.out_dir)"] = folder.parent if export_parent else folder
     return folders
 
 
@@ -312,9 +303,9 @@ class RunFolderGuard(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or not trainer.is_global_zero:
             return
-        for what, folder in output_folders(trainer).items():
+        for what, folder in output_folders(trainer, export_parent=True).items():
             check_writable(folder, what)
-        self._lock = RunClaim(claimed_folders(trainer))
+        self._lock = RunClaim(output_folders(trainer))
         self._lock.acquire()
 
     @override
