@@ -63,7 +63,7 @@ def _leftovers(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name.endswith(".partial"))
 
 
-@pytest.mark.slow  # the full lane only: 7-20 s each on 2 cores
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl_c"])
 def test_a_signal_during_the_target_load_exits_128_plus_signal_and_says_to_rerun(tmp_path, signum):
     cut = _cli(tmp_path, "fit", "--config", str(_config(tmp_path, "SignalDuringTargetLoad", signum)))

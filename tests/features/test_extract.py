@@ -41,7 +41,7 @@ def test_numbering_and_refusals():
         Producer(spec, ChatDataModule(**DATA), Path("/nonexistent/never-written"))
 
 
-@pytest.mark.slow  # the full lane only: 7-20 s each on 2 cores
+@pytest.mark.slow
 def test_extract_equals_dump(tmp_path):
     storage = tmp_path / "engine"
     storage.mkdir()

@@ -186,7 +186,7 @@ def sampled_law(monkeypatch, broken=None, samples=SAMPLES, top_p=1.0):
     return counts, law, rounds
 
 
-@pytest.mark.slow  # the full lane only: 7-20 s each on 2 cores
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_target_law(monkeypatch):
     counts, law, rounds = sampled_law(monkeypatch)
     torch.testing.assert_close(law.sum(), torch.tensor(1.0))
@@ -200,7 +200,7 @@ def test_sampled_tokens_follow_the_target_law(monkeypatch):
     assert abs(float(hit.mean() - expected.mean())) < error
 
 
-@pytest.mark.slow  # the full lane only: 7-20 s each on 2 cores
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_top_p_target_law(monkeypatch):
     """With top-p the target law is its nucleus (here often one or two of the three tokens): a token outside it
     sampled even once makes the p-value 0; the Markov head's proposals are not truncated, rejection removes them."""

@@ -133,7 +133,7 @@ def _target_joint(target, prompt: list[int], top_p: float, V: int) -> torch.Tens
     return joint
 
 
-@pytest.mark.slow  # the full lane only: 7-20 s each on 2 cores
+@pytest.mark.slow
 def test_chain_speculative_sampling_with_top_p_is_the_target_law():
     """End to end on a 4-token vocabulary: x1 from the prefill, x2 and x3 from verification rounds of K = 2 drafts by a
     real draft (3-token vocabulary, its own nucleus), at temperature 1 and top-p 0.9. The target's scale leaves 29 of

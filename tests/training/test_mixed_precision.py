@@ -75,7 +75,7 @@ def _train(family: str, recipe: str) -> dict:
             "gains": torch.cat([params[n].detach().float().flatten() for n in norms])}  # fmt: skip
 
 
-@pytest.mark.slow  # the full lane only: 7-20 s each on 2 cores
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["eagle3", "dspark"])
 def test_bf16_on_fp32_masters_tracks_fp32_and_pure_bf16_does_not(family):
     with warnings.catch_warnings(record=True) as caught:
